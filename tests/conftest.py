@@ -1,0 +1,38 @@
+"""8 simulated CPU devices for every test, set before jax starts (see shared/ENVIRONMENT.md).
+
+NPROC >= 2 x devices avoids the XLA:CPU collective deadlock on 2-core machines; the
+collective timeout turns any remaining hang into a fast failure.
+"""
+
+import os
+
+os.environ["NPROC"] = str(max(int(os.environ.get("NPROC", "0") or 0), 16))
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    _flags += " --xla_force_host_platform_device_count=8"
+if "collective_call_terminate_timeout" not in _flags:
+    _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=60"
+os.environ["XLA_FLAGS"] = _flags.strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from tp_jax.mesh import make_mesh  # noqa: E402
+
+# (dp, pp, tp) shapes for layer tests: tp in {1, 2, 4, 8}, and tp = 3 on 6 devices (dp = 2).
+TP_MESHES = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 1, 3)]
+
+
+def mesh_for(dp: int, pp: int, tp: int):
+    n = dp * pp * tp
+    return make_mesh(dp, pp, tp, devices=jax.devices()[:n])
+
+
+@pytest.fixture(params=TP_MESHES, ids=lambda s: "dp{}pp{}tp{}".format(*s))
+def mesh(request):
+    return mesh_for(*request.param)
+
+
+def pytest_report_header(config):
+    return f"jax {jax.__version__}, devices: {len(jax.devices())} x {jax.devices()[0].platform}"

@@ -1,0 +1,25 @@
+"""tp_jax: tensor-parallel LLM inference in JAX, vLLM's model-parallel layers on XLA sharding."""
+
+# --- mesh and collectives -------------------------------------------------------------
+from tp_jax.mesh import AXES, DP, PP, TP, make_mesh
+from tp_jax.collectives import (all_gather, all_reduce, broadcast, reduce_scatter, send_to_next,
+                                send_to_prev, set_all_reduce_thresholds)
+# --- head planning and parallel layers ---------------------------------------------------
+from tp_jax.heads import HeadPlan, plan_heads
+from tp_jax.layers import (ColumnParallelLinear, LazyTensor, MergedColumnParallelLinear,
+                           ParallelLMHead, ParallelModule, PartRows, QKVParallelLinear,
+                           ReplicatedLinear, RowParallelLinear, ShardedParam, VocabParallelEmbedding,
+                           WeightShapeError, padded_vocab_size)
+# --- running a module under shard_map -------------------------------------------------
+from tp_jax.shard import param_specs, place, shard_module
+
+__all__ = [
+    "AXES", "DP", "PP", "TP", "make_mesh",
+    "all_gather", "all_reduce", "broadcast", "reduce_scatter", "send_to_next", "send_to_prev",
+    "set_all_reduce_thresholds",
+    "HeadPlan", "plan_heads",
+    "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "ReplicatedLinear",
+    "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "padded_vocab_size",
+    "ParallelModule", "LazyTensor", "PartRows", "ShardedParam", "WeightShapeError",
+    "param_specs", "place", "shard_module",
+]

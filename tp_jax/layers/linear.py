@@ -1,0 +1,208 @@
+"""Dense layers of vLLM's model-parallel toolkit (vllm/model_executor/layers/linear.py).
+
+Each module holds *global* params whose `out_sharding` spec says how they split over
+tp; `__call__` is written for the *local* blocks and runs inside `jax.shard_map`.
+
+Y = X A + b with A[D, F]:
+* ReplicatedLinear      A on every rank.
+* ColumnParallelLinear  A = [A_1, ..., A_p] along F:  X[..., D] -> Y_i[..., F/p]
+                        (gather_output: all-gather -> Y[..., F]).
+* MergedColumnParallelLinear  several column layers fused into one GEMM; rank i holds
+                        [A^0_i, A^1_i, ...], `split` returns the parts.
+* RowParallelLinear     A = [A_1; ...; A_p] along D: X_i[..., D/p] -> sum_i X_i A_i,
+                        the only all-reduce of a dense layer; the bias is added once,
+                        after the reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tp_jax import collectives
+from tp_jax.layers.base import (ParallelModule, check_tp_size, default_kernel_init, local_matmul,
+                                make_param, padding_mask, split_size)
+from tp_jax.layers.loading import PartRows, ShardedParam, contiguous_rows, replicated_rows
+from tp_jax.mesh import TP
+
+
+class _Linear(ParallelModule):
+    """Shared body: a kernel [in, out] and an optional bias, sharded on one dimension."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp_size: int, bias: bool,
+                 kernel_spec, bias_spec, dtype, rngs: nnx.Rngs, kernel_init=None):
+        check_tp_size(tp_size, type(self).__name__)
+        self.in_features, self.out_features, self.tp_size = in_features, out_features, tp_size
+        self.use_bias = bias
+        decl = self.loading()
+        kdim = 1 if kernel_spec[1] is not None else 0
+        kshape = (in_features, out_features)
+        self.kernel = make_param(rngs, kshape, kernel_spec, dtype, kernel_init or default_kernel_init(),
+                                 _mask(decl["kernel"], kshape, kdim))
+        if bias:
+            self.bias = make_param(rngs, (out_features,), bias_spec, dtype,
+                                   zero_mask=_mask(decl["bias"], (out_features,), 0))
+        else:
+            self.bias = None
+
+    def _weights(self, out_rows: np.ndarray, in_rows: np.ndarray | None = None) -> dict[str, ShardedParam]:
+        """Declarations for kernel (HF [out, in]) and bias (HF [out]) from row maps."""
+        hf = (self._hf_out(), self._hf_in())
+        if in_rows is None:
+            kernel = ShardedParam({"weight": PartRows(hf, out_rows, dim=0)}, transpose=True)
+        else:
+            kernel = ShardedParam({"weight": PartRows(hf, in_rows, dim=1)}, transpose=True)
+        decl = {"kernel": kernel}
+        if self.use_bias:
+            decl["bias"] = ShardedParam({"bias": PartRows((hf[0],), out_rows, dim=0)})
+        return decl
+
+    def _hf_out(self) -> int:
+        return self.out_features
+
+    def _hf_in(self) -> int:
+        return self.in_features
+
+
+def _mask(decl: ShardedParam, shape, dim) -> np.ndarray | None:
+    """Padding mask of a single-part declaration along our (untransposed) dim."""
+    rows = np.concatenate([p.rows for p in decl.parts.values()], axis=1)
+    if rows.size != shape[dim]:   # replicated rows: no padding in the global array
+        return None
+    return padding_mask(rows, shape, dim)
+
+
+class ReplicatedLinear(_Linear):
+    """Y = X A + b with A[D, F] on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp_size: int = 1, bias: bool = True,
+                 dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None):
+        super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, kernel_spec=(None, None),
+                         bias_spec=(None,), dtype=dtype, rngs=rngs, kernel_init=kernel_init)
+
+    def loading(self):
+        return self._weights(replicated_rows(self.out_features, self.tp_size))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = local_matmul(x, self.kernel[...])
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class ColumnParallelLinear(_Linear):
+    """A[D, F_tp]: X[..., D] -> Y_local[..., F/tp], or Y[..., F] when `gather_output`."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp_size: int = 1, bias: bool = True,
+                 gather_output: bool = False, dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None):
+        self.out_local = split_size(out_features, tp_size, "out_features", type(self).__name__)
+        self.gather_output = gather_output
+        super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, kernel_spec=(None, TP),
+                         bias_spec=(TP,), dtype=dtype, rngs=rngs, kernel_init=kernel_init)
+
+    def loading(self):
+        return self._weights(self._out_rows())
+
+    def _out_rows(self) -> np.ndarray:
+        return contiguous_rows(self.out_features, self.tp_size)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = local_matmul(x, self.kernel[...])            # [..., F_local]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return collectives.all_gather(y, TP, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Column layers of sizes `output_sizes` (e.g. gate, up) fused into one GEMM.
+
+    Rank i's block is [A^0_i, A^1_i, ...]; the HF parts are named "0", "1", ...
+    `split(y)` cuts a local output into the parts; with `gather_output` the parts
+    come back whole and in order, as if the layers had not been fused.
+    """
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], *, tp_size: int = 1,
+                 bias: bool = True, gather_output: bool = False, dtype=jnp.float32, rngs: nnx.Rngs,
+                 kernel_init=None):
+        name = type(self).__name__
+        self.output_sizes = tuple(int(s) for s in output_sizes)
+        self.local_sizes = tuple(split_size(s, tp_size, f"output_sizes[{i}]", name)
+                                 for i, s in enumerate(self.output_sizes))
+        super().__init__(in_features, sum(self.output_sizes), tp_size=tp_size, bias=bias,
+                         gather_output=gather_output, dtype=dtype, rngs=rngs, kernel_init=kernel_init)
+
+    def loading(self):
+        kernel, bias = {}, {}
+        for i, size in enumerate(self.output_sizes):
+            rows = contiguous_rows(size, self.tp_size)
+            kernel[str(i)] = PartRows((size, self.in_features), rows, dim=0)
+            bias[str(i)] = PartRows((size,), rows, dim=0)
+        decl = {"kernel": ShardedParam(kernel, transpose=True)}
+        if self.use_bias:
+            decl["bias"] = ShardedParam(bias)
+        return decl
+
+    def split(self, y: jax.Array) -> list[jax.Array]:
+        """[..., sum(local_sizes)] -> one [..., local_size] array per part."""
+        return jnp.split(y, np.cumsum(self.local_sizes)[:-1], axis=-1)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = local_matmul(x, self.kernel[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if not self.gather_output or self.tp_size == 1:
+            return y
+        full = jax.lax.all_gather(y, TP, axis=0)                # [tp, ..., F_local]
+        parts = [jnp.moveaxis(p, 0, -2).reshape(*p.shape[1:-1], -1) for p in self.split(full)]
+        return jnp.concatenate(parts, axis=-1)
+
+
+class RowParallelLinear(_Linear):
+    """A[D_tp, F]: X_local[..., D/tp] -> Y[..., F] = all_reduce(X_i A_i) + b.
+
+    `input_is_parallel=False` takes the full X[..., D] and keeps this rank's slice.
+    `reduce_results=False` returns the partial sum X_i A_i (+ b on rank 0 only), for a
+    caller that reduces later. `in_rows` overrides which HF input columns each rank
+    holds (-1 = a zero row), e.g. o_proj under a head plan with padded heads.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp_size: int = 1, bias: bool = True,
+                 input_is_parallel: bool = True, reduce_results: bool = True,
+                 reduce_strategy: str = "psum", in_rows: np.ndarray | None = None,
+                 hf_in_features: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None):
+        name = type(self).__name__
+        self.in_local = split_size(in_features, tp_size, "in_features", name)
+        if reduce_strategy not in collectives.STRATEGIES:
+            raise ValueError(f"{name}: reduce_strategy={reduce_strategy!r}; choose one of "
+                             f"{collectives.STRATEGIES}.")
+        if in_rows is not None and np.shape(in_rows) != (tp_size, self.in_local):
+            raise ValueError(f"{name}: in_rows has shape {np.shape(in_rows)}, expected "
+                             f"({tp_size}, {self.in_local})")
+        self.input_is_parallel, self.reduce_results = input_is_parallel, reduce_results
+        self.reduce_strategy = reduce_strategy
+        self.in_rows = None if in_rows is None else np.asarray(in_rows)
+        self.hf_in_features = in_features if hf_in_features is None else hf_in_features
+        super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, kernel_spec=(TP, None),
+                         bias_spec=(None,), dtype=dtype, rngs=rngs, kernel_init=kernel_init)
+
+    def _hf_in(self) -> int:
+        return self.hf_in_features
+
+    def loading(self):
+        in_rows = self.in_rows if self.in_rows is not None else contiguous_rows(self.in_features, self.tp_size)
+        return self._weights(replicated_rows(self.out_features, self.tp_size), in_rows)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if not self.input_is_parallel and self.tp_size > 1:
+            start = collectives.axis_index(TP) * self.in_local
+            x = jax.lax.dynamic_slice_in_dim(x, start, self.in_local, axis=-1)
+        y = local_matmul(x, self.kernel[...])             # partial sum [..., F]
+        if self.reduce_results:
+            y = collectives.all_reduce(y, TP, self.reduce_strategy)
+            return y + self.bias[...] if self.bias is not None else y
+        if self.bias is None:
+            return y
+        first = collectives.axis_index(TP) == 0 if self.tp_size > 1 else True
+        return y + jnp.where(first, self.bias[...], jnp.zeros_like(self.bias[...]))

@@ -1,0 +1,85 @@
+"""VocabParallelEmbedding and ParallelLMHead (vllm/model_executor/layers/vocab_parallel_embedding.py).
+
+The vocabulary is padded to a multiple of lcm(64, tp) and split in equal runs of rows:
+rank i holds rows [i*V_local, (i+1)*V_local) of E[V_pad, D]. Embedding: ids outside a
+rank's run are masked to zero, then the ranks' rows are summed (one all-reduce).
+LM head: logits_local = h E_i^T with padded rows set to the dtype's minimum, so a padded
+id never wins an argmax or gets probability; `gather_output` all-gathers the vocab and
+drops the padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tp_jax import collectives
+from tp_jax.layers.base import ParallelModule, check_tp_size, make_param, padding_mask
+from tp_jax.layers.loading import PartRows, ShardedParam, contiguous_rows
+from tp_jax.mesh import TP
+
+VOCAB_PAD = 64
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    multiple = math.lcm(VOCAB_PAD, tp_size)
+    return -(-vocab_size // multiple) * multiple
+
+
+class VocabParallelEmbedding(ParallelModule):
+    """ids[...] -> E[ids] of shape [..., D]; E[V_pad, D] sharded on the vocab rows. HF part: "weight"."""
+
+    def __init__(self, num_embeddings: int, features: int, *, tp_size: int = 1, dtype=jnp.float32,
+                 rngs: nnx.Rngs, embedding_init=None):
+        check_tp_size(tp_size, type(self).__name__)
+        if num_embeddings < 1 or features < 1:
+            raise ValueError(f"{type(self).__name__}: num_embeddings={num_embeddings} and "
+                             f"features={features} must be >= 1.")
+        self.num_embeddings, self.features, self.tp_size = num_embeddings, features, tp_size
+        self.padded_size = padded_vocab_size(num_embeddings, tp_size)
+        self.local_size = self.padded_size // tp_size
+        shape = (self.padded_size, features)
+        rows = contiguous_rows(num_embeddings, tp_size, self.padded_size)
+        init = embedding_init or nnx.initializers.normal(0.02)
+        self.embedding = make_param(rngs, shape, (TP, None), dtype, init, padding_mask(rows, shape, 0))
+
+    def loading(self):
+        rows = contiguous_rows(self.num_embeddings, self.tp_size, self.padded_size)
+        return {"embedding": ShardedParam({"weight": PartRows((self.num_embeddings, self.features), rows)})}
+
+    def _start(self) -> jax.Array | int:
+        return collectives.axis_index(TP) * self.local_size if self.tp_size > 1 else 0
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        table = self.embedding[...]                              # [V_local, D]
+        local = ids - self._start()
+        inside = (local >= 0) & (local < self.local_size)
+        rows = jnp.take(table, jnp.where(inside, local, 0), axis=0)  # [..., D]
+        rows = jnp.where(inside[..., None], rows, jnp.zeros((), rows.dtype))
+        return collectives.all_reduce(rows, TP)
+
+    def attend(self, h: jax.Array, gather_output: bool = True) -> jax.Array:
+        """Logits h[..., D] -> [..., V] (gathered) or [..., V_local] with padding at the minimum."""
+        table = self.embedding[...]
+        logits = jnp.einsum("...d,vd->...v", h.astype(table.dtype), table)
+        ids = self._start() + jnp.arange(self.local_size)
+        logits = jnp.where(ids < self.num_embeddings, logits, jnp.finfo(logits.dtype).min)
+        if not gather_output:
+            return logits
+        return collectives.all_gather(logits, TP, dim=-1)[..., :self.num_embeddings]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection W[V_pad, D] (HF `lm_head.weight` [V, D]); `__call__` gives logits."""
+
+    def __init__(self, num_embeddings: int, features: int, *, tp_size: int = 1, gather_output: bool = True,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        self.gather_output = gather_output
+        super().__init__(num_embeddings, features, tp_size=tp_size, dtype=dtype, rngs=rngs,
+                         embedding_init=nnx.initializers.lecun_normal())
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return self.attend(h, self.gather_output)

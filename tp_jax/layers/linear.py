@@ -182,7 +182,8 @@ class RowParallelLinear(_Linear):
                              f"({tp_size}, {self.in_local})")
         self.input_is_parallel, self.reduce_results = input_is_parallel, reduce_results
         self.reduce_strategy = reduce_strategy
-        self.in_rows = None if in_rows is None else np.asarray(in_rows)
+        # a tuple, not an array: nnx treats array attributes as data (state), this is static
+        self.in_rows = None if in_rows is None else tuple(map(tuple, np.asarray(in_rows).tolist()))
         self.hf_in_features = in_features if hf_in_features is None else hf_in_features
         super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, kernel_spec=(TP, None),
                          bias_spec=(None,), dtype=dtype, rngs=rngs, kernel_init=kernel_init)
@@ -191,7 +192,8 @@ class RowParallelLinear(_Linear):
         return self.hf_in_features
 
     def loading(self):
-        in_rows = self.in_rows if self.in_rows is not None else contiguous_rows(self.in_features, self.tp_size)
+        in_rows = np.asarray(self.in_rows) if self.in_rows is not None else contiguous_rows(self.in_features,
+                                                                                            self.tp_size)
         return self._weights(replicated_rows(self.out_features, self.tp_size), in_rows)
 
     def __call__(self, x: jax.Array) -> jax.Array:

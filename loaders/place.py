@@ -1,0 +1,134 @@
+"""Per-device loading: each device's block of each param, read from a weight source and placed
+with `jax.make_array_from_callback` (DESIGN.md contract 3).
+
+A *source* has `keys()`, `__contains__` and `get(name) -> lazy tensor` (`.shape` and
+numpy slicing): safetensors, GGUF and Orbax readers all qualify. The param's own layer
+builds the block (`load_block`); this module only finds the layer, the rank and the
+layer range of a device's index, and converts the dtype. Nothing here holds more than
+one device block at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from tp_jax.layers.loading import WeightShapeError
+from tp_jax.loaders.names import Entry
+from tp_jax.mesh import TP
+
+
+class MissingWeightError(KeyError):
+    def __str__(self):
+        return str(self.args[0])
+
+
+@dataclasses.dataclass
+class Binding:
+    """One model param and the HF tensors (templates, `{i}` = layer) that fill its parts."""
+    path: str
+    module: nnx.Module
+    name: str
+    parts: dict[str, str]
+    stacked: bool
+
+    def hf_names(self, layer: int | None) -> dict[str, str]:
+        return {p: t.format(i=layer) for p, t in self.parts.items()}
+
+
+def bind(model: nnx.Module, table: Sequence[Entry]) -> list[Binding]:
+    """Match every param of `model` with its table entries; refuse params nothing fills."""
+    state = nnx.state(model, nnx.Param)
+    by_param: dict[str, dict[str, str]] = {}
+    for e in table:
+        by_param.setdefault(e.param, {})[e.part] = e.hf
+    out = []
+    for path, _ in nnx.to_flat_state(state):
+        key = ".".join(str(p) for p in path)
+        if key not in by_param:
+            raise ValueError(f"no checkpoint tensor maps to param {key!r}; add it to the name table")
+        module = model
+        for p in path[:-1]:
+            module = getattr(module, str(p))
+        parts = by_param[key]
+        stacked = any("{i}" in t for t in parts.values())
+        out.append(Binding(key, module, str(path[-1]), parts, stacked))
+    return out
+
+
+def check_source(bindings: list[Binding], source, num_layers: int) -> None:
+    """Every needed tensor exists with the shape its layer expects, before anything is read."""
+    missing = []
+    for b in bindings:
+        decl = b.module.loading()[b.name]
+        for layer in (range(num_layers) if b.stacked else [None]):
+            for part, hf in b.hf_names(layer).items():
+                if hf not in source:
+                    missing.append(hf)
+                    continue
+                expected = decl.parts[part].hf_shape
+                got = tuple(source.get(hf).shape)
+                if got != tuple(expected):
+                    raise WeightShapeError(f"tensor {hf!r} has shape {got}, expected {tuple(expected)} "
+                                           f"(for param {b.path}); does the checkpoint match config.json?")
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise MissingWeightError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
+                                 f"{missing[:5]}{more}")
+
+
+def _tp_dim(spec) -> int | None:
+    for i, axis in enumerate(spec):
+        if axis == TP or (isinstance(axis, tuple) and TP in axis):
+            return i
+    return None
+
+
+def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype) -> jax.Array:
+    """The global array of one param, each device's block built by its layer from `source`."""
+    shape = tuple(abstract.shape)
+    tp_dim, tp = _tp_dim(spec), mesh.shape[TP]
+
+    def block(index):
+        rank = 0 if tp_dim is None else (index[tp_dim].start or 0) // (shape[tp_dim] // tp)
+        layers = range(*index[0].indices(shape[0])) if b.stacked else [None]
+        blocks = []
+        for layer in layers:
+            names = b.hf_names(layer)
+            tensors = {p: source.get(n) for p, n in names.items()}
+            blocks.append(np.asarray(b.module.load_block(b.name, rank, tensors, names), dtype=dtype))
+        return np.stack(blocks) if b.stacked else blocks[0]
+
+    return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), block)
+
+
+def load_state(model: nnx.Module, mesh: Mesh, source, table: Sequence[Entry], num_layers: int, dtype,
+               progress: bool = True):
+    """Real params for an abstract `model` (from `nnx.eval_shape`), placed per device."""
+    bindings = bind(model, table)
+    check_source(bindings, source, num_layers)
+    state = nnx.state(model, nnx.Param)
+    specs = nnx.get_partition_spec(state)
+    flat_specs = dict(nnx.to_flat_state(specs))
+    loaded = {}
+    from tqdm.auto import tqdm
+    for b, (path, var) in zip(bindings, tqdm(nnx.to_flat_state(state), desc="loading weights", unit="param",
+                                             disable=not progress)):
+        loaded[path] = place_param(b, var.get_value(), flat_specs[path].get_value(), mesh, source, dtype)
+    return loaded
+
+
+def fill(model: nnx.Module, loaded: dict) -> None:
+    for path, value in loaded.items():
+        module = model
+        for p in path[:-1]:
+            module = getattr(module, str(p))
+        getattr(module, str(path[-1])).set_value(value)
+
+
+__all__ = ["bind", "check_source", "load_state", "fill", "place_param", "MissingWeightError"]

@@ -1,0 +1,128 @@
+"""LlamaForCausalLM on tp_jax layers, vLLM's composition (vllm/model_executor/models/llama.py).
+
+    h = embed(ids)                                     vocab-parallel, one all-reduce
+    per layer (params stacked on a leading layer axis, run with lax.scan):
+      h += o_proj(attn(rope(qkv_proj(norm(h)))))       QKV column -> local heads -> row (all-reduce)
+      h += down_proj(silu(gate) * up)                  merged column -> row (all-reduce)
+    logits = lm_head(norm(h))                          vocab-parallel, all-gathered
+
+Everything below runs inside `shard_map` on local shapes; see `forward_fn`.
+Also registered for Mistral without a sliding window (same graph).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tp_jax.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                           VocabParallelEmbedding)
+from tp_jax.layers.loading import expand_heads
+from tp_jax.layers.norm import RMSNorm
+from tp_jax.models.attention import attention, write_cache
+from tp_jax.models.config import ModelConfig
+from tp_jax.models.registry import register
+from tp_jax.models.rope import apply_rope, inv_freq
+from tp_jax.layers.stack import Stack
+
+Cache = tuple[jax.Array, jax.Array]          # k, v: [L, B, S, kv_local, hd] each
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, tp: int, dtype, rngs: nnx.Rngs):
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          tp_size=tp, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        plan = self.qkv_proj.plan
+        self.o_proj = RowParallelLinear(plan.padded_q_heads * cfg.head_dim, cfg.hidden_size, tp_size=tp,
+                                        bias=cfg.attention_bias, in_rows=expand_heads(plan.q_heads, cfg.head_dim),
+                                        hf_in_features=cfg.num_heads * cfg.head_dim, dtype=dtype, rngs=rngs)
+        self.freq = tuple(inv_freq(cfg.rope, cfg.head_dim).tolist())     # static, not state
+        self.scale = cfg.head_dim ** -0.5
+        self.window = cfg.sliding_window
+
+    def qkv(self, x: jax.Array, positions: jax.Array):
+        q, k, v = self.qkv_proj(x)                           # [B, T, q_local | kv_local, hd]
+        freq = np.asarray(self.freq, np.float32)
+        return apply_rope(q, positions, freq), apply_rope(k, positions, freq), v
+
+    def __call__(self, x, positions, kv: Cache | None, attend_cache: bool):
+        q, k, v = self.qkv(x, positions)
+        if kv is not None:
+            kv = write_cache(kv[0], k, positions), write_cache(kv[1], v, positions)
+        if attend_cache:
+            k, v = kv
+            k_pos = jnp.arange(k.shape[1])
+        else:
+            k_pos = positions
+        out = attention(q, k, v, positions, k_pos, self.scale, self.window)
+        return self.o_proj(out), kv
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, tp: int, dtype, rngs: nnx.Rngs):
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, (size, size), tp_size=tp,
+                                                       bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_size=tp, bias=cfg.mlp_bias,
+                                           dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(jax.nn.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nnx.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, cfg: ModelConfig, tp: int, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
+        self.self_attn = self.attention_cls(cfg, tp, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, tp_size=tp, dtype=dtype,
+                                                rngs=rngs)
+        self.mlp = LlamaMLP(cfg, tp, dtype, rngs)
+
+    def __call__(self, h, positions, kv: Cache | None, attend_cache: bool):
+        a, kv = self.self_attn(self.input_layernorm(h), positions, kv, attend_cache)
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class LlamaModel(nnx.Module):
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, cfg: ModelConfig, tp: int, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size=tp, dtype=dtype,
+                                                   rngs=rngs)
+        self.layers = Stack(lambda r: self.layer_cls(cfg, tp, dtype, r), cfg.num_layers, rngs)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
+
+    def __call__(self, ids, positions, kv: Cache | None = None, attend_cache: bool = False):
+        h = self.embed_tokens(ids)
+        h, kv = self.layers(lambda layer, h, kv: layer(h, positions, kv, attend_cache), h, kv)
+        return self.norm(h), kv
+
+
+@register("LlamaForCausalLM", "MistralForCausalLM")
+class LlamaForCausalLM(nnx.Module):
+    """ids[B, T], positions[B, T] (+ a KV cache) -> logits[B, T, V] (local shapes, under shard_map)."""
+    model_cls = LlamaModel
+
+    def __init__(self, cfg: ModelConfig, *, tp_size: int = 1, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.tp_size = tp_size
+        self.model = self.model_cls(cfg, tp_size, dtype, rngs)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_size=tp_size, dtype=dtype, rngs=rngs)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            return self.model.embed_tokens.attend(h)
+        return self.lm_head(h)
+
+    def __call__(self, ids, positions, kv: Cache | None = None, attend_cache: bool = False):
+        h, kv = self.model(ids, positions, kv, attend_cache)
+        return self.logits(h), kv

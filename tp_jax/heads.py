@@ -23,19 +23,28 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class HeadPlan:
+    """Hashable (tuples, not arrays): layers keep it as static module metadata."""
     num_heads: int
     num_kv_heads: int
     tp: int
-    q_heads: np.ndarray    # [tp, q_local]  query head per slot, -1 = padding
-    kv_heads: np.ndarray   # [tp, kv_local] KV head per slot, -1 = padding
+    q_slots: tuple[tuple[int, ...], ...]    # [tp][q_local]  query head per slot, -1 = padding
+    kv_slots: tuple[tuple[int, ...], ...]   # [tp][kv_local] KV head per slot, -1 = padding
+
+    @property
+    def q_heads(self) -> np.ndarray:
+        return np.array(self.q_slots, dtype=np.int64)
+
+    @property
+    def kv_heads(self) -> np.ndarray:
+        return np.array(self.kv_slots, dtype=np.int64)
 
     @property
     def q_local(self) -> int:
-        return self.q_heads.shape[1]
+        return len(self.q_slots[0])
 
     @property
     def kv_local(self) -> int:
-        return self.kv_heads.shape[1]
+        return len(self.kv_slots[0])
 
     @property
     def group_local(self) -> int:
@@ -91,7 +100,11 @@ def plan_heads(num_heads: int, num_kv_heads: int, tp: int) -> HeadPlan:
         q, kv = _plan_split(num_kv_heads, group, tp)
     else:
         q, kv = _plan_replicate(num_kv_heads, group, tp)
-    return HeadPlan(num_heads, num_kv_heads, tp, q, kv)
+    return HeadPlan(num_heads, num_kv_heads, tp, _tuples(q), _tuples(kv))
+
+
+def _tuples(a: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(v) for v in row) for row in a)
 
 
 def _plan_split(num_kv: int, group: int, tp: int) -> tuple[np.ndarray, np.ndarray]:

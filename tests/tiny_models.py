@@ -1,0 +1,75 @@
+"""Tiny random Hugging Face checkpoints written by the tests (the golden references)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+VARIANTS = {
+    # name: LlamaConfig overrides
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    "gqa": dict(num_attention_heads=8, num_key_value_heads=2),
+    "mqa": dict(num_attention_heads=4, num_key_value_heads=1),
+    "h9kv3": dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72, head_dim=8, vocab_size=1001),
+    "tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "llama3rope": dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 64}),
+    "bias": dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+    "bf16sharded": dict(num_attention_heads=8, num_key_value_heads=2),
+}
+
+BASE = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
+            rms_norm_eps=1e-5, max_position_embeddings=128, tie_word_embeddings=False,
+            architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
+
+
+def hf_config(name: str):
+    from transformers import LlamaConfig
+    kw = {**BASE, **VARIANTS[name]}
+    if "rope_parameters" not in kw:
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    return LlamaConfig(**kw)
+
+
+def make_checkpoint(name: str, root: str) -> str:
+    """Write variant `name` under `root` once; returns the directory."""
+    import torch
+    from transformers import LlamaForCausalLM
+    path = os.path.join(root, name)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(sum(map(ord, name)))
+    model = LlamaForCausalLM(hf_config(name)).eval()
+    with torch.no_grad():                    # random norms and biases, so every weight matters
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif n.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    if name == "bf16sharded":
+        model = model.to(torch.bfloat16)
+        model.save_pretrained(path, safe_serialization=True, max_shard_size="100KB")
+    else:
+        model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_logits(path: str, ids: np.ndarray) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+def hf_greedy(path: str, ids: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+    return out[0, len(ids):].tolist()

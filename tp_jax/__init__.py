@@ -13,7 +13,24 @@ from tp_jax.layers import (ColumnParallelLinear, LazyTensor, MergedColumnParalle
 # --- running a module under shard_map -------------------------------------------------
 from tp_jax.shard import param_specs, place, shard_module
 
+# --- the front door (imported on first use: it pulls in transformers) --------------------
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from tp_jax.llm import LLM
+        return LLM
+    if name in ("SamplingParams",):
+        from tp_jax.sampling import SamplingParams
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput", "StreamEvent"):
+        from tp_jax import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'tp_jax' has no attribute {name!r}")
+
+
 __all__ = [
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamEvent",
     "AXES", "DP", "PP", "TP", "make_mesh",
     "all_gather", "all_reduce", "broadcast", "reduce_scatter", "send_to_next", "send_to_prev",
     "set_all_reduce_thresholds",

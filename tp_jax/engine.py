@@ -71,9 +71,9 @@ class Engine:
             return logits[:, 0], cache
 
         b = P(DP)
-        self._prefill_fwd = jax.shard_map(prefill, mesh=mesh, in_specs=(specs, b, b, b, (CACHE_SPEC,) * 2),
+        self.prefill_logits = jax.shard_map(prefill, mesh=mesh, in_specs=(specs, b, b, b, (CACHE_SPEC,) * 2),
                                           out_specs=(b, (CACHE_SPEC,) * 2), check_vma=False)
-        self._decode_fwd = jax.shard_map(decode, mesh=mesh, in_specs=(specs, b, b, (CACHE_SPEC,) * 2),
+        self.decode_logits = jax.shard_map(decode, mesh=mesh, in_specs=(specs, b, b, (CACHE_SPEC,) * 2),
                                          out_specs=(b, (CACHE_SPEC,) * 2), check_vma=False)
         self.prefill_step = jax.jit(self._prefill_step, donate_argnames=("cache",),
                                     static_argnames=("num_logprobs", "penalties"))
@@ -92,7 +92,7 @@ class Engine:
     def _prefill_step(self, state, ids, lengths, cache, tensors, prompt_mask, counts, active, *,
                       num_logprobs, penalties):
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-        logits, cache = self._prefill_fwd(state, ids, positions, lengths, cache)
+        logits, cache = self.prefill_logits(state, ids, positions, lengths, cache)
         steps = jnp.zeros(ids.shape[:1], jnp.int32)
         tokens, lp, counts = self._sample(logits, tensors, steps, prompt_mask, counts, active, num_logprobs,
                                           penalties)
@@ -100,7 +100,7 @@ class Engine:
 
     def _decode_step(self, state, tokens, positions, steps, cache, tensors, prompt_mask, counts, active, *,
                      num_logprobs, penalties):
-        logits, cache = self._decode_fwd(state, tokens, positions, cache)
+        logits, cache = self.decode_logits(state, tokens, positions, cache)
         tokens, lp, counts = self._sample(logits, tensors, steps, prompt_mask, counts, active, num_logprobs,
                                           penalties)
         return tokens, lp, cache, counts

@@ -127,18 +127,21 @@ class LLM:
             raise ValueError(f"{self.model_path!r} has no tokenizer files; pass token-id lists instead of text")
         return tok
 
-    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list:
-        """prompts: a string, a list of strings, a token-id list, or a list of token-id lists."""
+    def start(self, prompts, sampling_params=None):
+        """A Generation: iterate `.events()` (StreamEvents as tokens are sampled), then `.outputs()`."""
         from tp_jax.frontend import Generation
-        gen = Generation(self, prompts, sampling_params)
+        return Generation(self, prompts, sampling_params)
+
+    def generate(self, prompts, sampling_params=None) -> list:
+        """prompts: a string, a list of strings, a token-id list, or a list of token-id lists."""
+        gen = self.start(prompts, sampling_params)
         for _ in gen.events():
             pass
         return gen.outputs()
 
     def generate_stream(self, prompts, sampling_params=None):
         """Yields a StreamEvent per generated token, as soon as it is sampled."""
-        from tp_jax.frontend import Generation
-        yield from Generation(self, prompts, sampling_params).events()
+        yield from self.start(prompts, sampling_params).events()
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True) -> list:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""

@@ -1,0 +1,80 @@
+"""The real SmolLM2-135M-Instruct (9 query / 3 KV heads) through our GGUF and safetensors paths,
+against transformers on the same weights, at tp in {1, 2, 3, 4, 8}."""
+
+import numpy as np
+import pytest
+
+from tp_jax.llm import LLM
+from tp_jax.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+TPS = [1, 2, 3, 4, 8]
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+        "combined movable metal type, oil-based inks and a wooden press adapted from wine making. "
+        "Within a few decades, printing shops had spread to more than two hundred cities across Europe, "
+        "and the cost of books fell sharply, which changed how people learned.")
+GREEDY_PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+LIMIT = 1e-3
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path):
+    from tp_jax.tokenizer import load_tokenizer
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def prompt64(tok):
+    ids = tok.encode(TEXT)
+    assert len(ids) >= 64
+    return np.array([ids[:64]])
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_hf, tok, prompt64):
+    import torch
+    with torch.no_grad():
+        logits = smollm2_hf(torch.tensor(prompt64)).logits.numpy()
+        greedy = []
+        for p in GREEDY_PROMPTS:
+            ids = torch.tensor([tok.encode(p)])
+            out = smollm2_hf.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                      eos_token_id=None, pad_token_id=2)
+            greedy.append(out[0, ids.shape[1]:].tolist())
+    return logits, greedy
+
+
+def check(llm, tok, prompt64, reference):
+    logits, greedy = reference
+    got = llm.get_logits(prompt64)
+    diff = float(np.abs(got - logits).max())
+    assert diff <= LIMIT, f"max abs logit diff {diff:.2e}"
+    outs = llm.generate([tok.encode(p) for p in GREEDY_PROMPTS],
+                        SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    for out, ref in zip(outs, greedy):
+        assert out.outputs[0].token_ids == ref
+    return diff
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_gguf_path(smollm2_path, tok, prompt64, reference, tp):
+    llm = LLM(smollm2_path, tensor_parallel_size=tp, progress=False)
+    diff = check(llm, tok, prompt64, reference)
+    print(f"GGUF tp={tp}: max abs logit diff {diff:.2e}")
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_safetensors_path(smollm2_converted, tok, prompt64, reference, tp):
+    llm = LLM(smollm2_converted, tensor_parallel_size=tp, progress=False)
+    diff = check(llm, tok, prompt64, reference)
+    print(f"safetensors tp={tp}: max abs logit diff {diff:.2e}")
+
+
+def test_default_model_and_chat(smollm2_path):
+    llm = LLM(tensor_parallel_size=2, progress=False)          # no model: the embedded default
+    assert llm.model_path == smollm2_path
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=24, temperature=0.0))[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 2          # ended by <|im_end|>

@@ -52,6 +52,15 @@ def read_prompts(args) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError, NotImplementedError, KeyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
     if args.simulate_devices:
         from tp_jax.devices import simulate_cpu_devices
         simulate_cpu_devices(args.simulate_devices)

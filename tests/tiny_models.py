@@ -73,3 +73,20 @@ def hf_greedy(path: str, ids: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
     return out[0, len(ids):].tolist()
+
+
+def make_tokenized_checkpoint(root: str, gguf_path: str) -> str:
+    """A tiny random Llama with SmolLM2's real tokenizer (vocab 49152), for text-level tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tp_jax.tokenizer import load_tokenizer
+    path = os.path.join(root, "tokenized")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(7)
+    cfg = LlamaConfig(**{**BASE, "vocab_size": 49152, "num_attention_heads": 4, "num_key_value_heads": 2,
+                         "eos_token_id": 2, "max_position_embeddings": 256,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
+    load_tokenizer(gguf_path).save_pretrained(path)
+    return path

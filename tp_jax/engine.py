@@ -57,7 +57,7 @@ class Engine:
         graphdef, self.state = nnx.split(model)
         self.dtype = model.model.embed_tokens.embedding.get_value().dtype
         specs = nnx.get_partition_spec(self.state)
-        self.stats = {"prefill_s": 0.0, "decode_steps": 0}
+        self.stats = {"decode_steps": 0, "compactions": 0}
 
         def prefill(state, ids, positions, lengths, cache):
             m = nnx.merge(graphdef, state)
@@ -243,6 +243,7 @@ class _Run:
         self.prompt_mask, self.counts = (self.put(_take(x, idx, 0)) for x in (self.prompt_mask, self.counts))
         self.rows = [self.rows[r] if r in live else -1 for r in keep]
         self.batch = new_batch
+        self.e.stats["compactions"] += 1
 
 
 @functools.partial(jax.jit, static_argnums=2)

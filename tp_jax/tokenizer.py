@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def load_tokenizer(path: str):
-    """The tokenizer for `path`, or None when a directory ships no tokenizer files."""
+    """The tokenizer for `path`, or None when a directory ships no tokenizer files.
+
+    Cached per (path, modification time): a GGUF tokenizer takes seconds to build.
+    """
+    return _load(os.path.abspath(path), os.path.getmtime(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, mtime: float):
     if path.endswith(".gguf"):
         from tp_jax.loaders.gguf import load_gguf_tokenizer
         return load_gguf_tokenizer(path)

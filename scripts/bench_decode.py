@@ -1,0 +1,108 @@
+"""Decode throughput of tp_jax vs transformers on SmolLM2 (greedy, same weights, same prompt), one JSON line.
+
+    python scripts/bench_decode.py [--batch 1 8] [--tokens 64] [--tp 1] [--simulate-devices N]
+
+Decode time is T(N tokens) - T(1 token), for both engines, so prefill and compile are out.
+Roofline: bytes of weights read per decode step / the machine's measured read bandwidth.
+"""
+
+import argparse
+import json
+import os
+import time
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--simulate-devices", type=int, default=0)
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--prompt", default="Once upon a time")
+    return ap.parse_args()
+
+
+def read_bandwidth_gbps() -> float:
+    """Best-of-5 GB/s of a jitted sum over a 512 MiB float32 array (a pure streaming read)."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((128 * 2**20,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(5))
+    return x.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def ours(llm, ids, batch, n):
+    from tp_jax import SamplingParams
+    run = lambda k: llm.generate([ids] * batch, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
+    run(n), run(1)                                                    # compile both paths
+    t_n = min(_timed(lambda: run(n)) for _ in range(2))
+    t_1 = min(_timed(lambda: run(1)) for _ in range(2))
+    return (t_n - t_1) / (n - 1), run(n)[0].outputs[0].token_ids
+
+
+def theirs(model, ids, batch, n):
+    import torch
+    x = torch.tensor([ids] * batch)
+    gen = lambda k: model.generate(x, max_new_tokens=k, min_new_tokens=k, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)
+    with torch.no_grad():
+        gen(2)
+        t_n = min(_timed(lambda: gen(n)) for _ in range(2))
+        t_1 = min(_timed(lambda: gen(1)) for _ in range(2))
+        tokens = gen(n)[0, len(ids):].tolist()
+    return (t_n - t_1) / (n - 1), tokens
+
+
+def main():
+    args = parse_args()
+    if args.simulate_devices:
+        from tp_jax.devices import simulate_cpu_devices
+        simulate_cpu_devices(args.simulate_devices)
+    import jax
+    from flax import nnx
+    from tp_jax import LLM
+    llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp,
+              pipeline_parallel_size=args.pp, progress=False)
+    ids = llm.get_tokenizer().encode(args.prompt)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model, nnx.Param)))
+    bandwidth = read_bandwidth_gbps()
+    hf = None
+    if not args.no_transformers:
+        import torch
+        from transformers import AutoModelForCausalLM
+        path = llm.model_path
+        kw = dict(gguf_file=os.path.basename(path)) if path.endswith(".gguf") else {}
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if kw else path, dtype=torch.float32,
+                                                  **kw).eval()
+    result = {"model": os.path.basename(llm.model_path), "dtype": str(llm.dtype.__name__ if hasattr(llm.dtype, "__name__") else llm.dtype),
+              "tp": args.tp, "dp": args.dp, "pp": args.pp, "tokens": args.tokens,
+              "platform": jax.default_backend(), "devices": jax.device_count(),
+              "weight_bytes": weight_bytes, "read_bandwidth_GBps": round(bandwidth, 2)}
+    roofline_step = weight_bytes / (bandwidth * 1e9)
+    for b in args.batch:
+        step, toks = ours(llm, ids, b, args.tokens)
+        row = {"tp_jax_tokens_per_s": round(b / step, 2), "tp_jax_step_ms": round(step * 1e3, 2),
+               "roofline_pct": round(100 * roofline_step / step, 1)}
+        if hf is not None:
+            hf_step, hf_toks = theirs(hf, ids, b, args.tokens)
+            row.update({"transformers_tokens_per_s": round(b / hf_step, 2),
+                        "transformers_step_ms": round(hf_step * 1e3, 2), "speedup": round(hf_step / step, 2),
+                        "same_tokens": toks == hf_toks})
+        result[f"batch{b}"] = row
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -89,27 +89,38 @@ def _tp_dim(spec) -> int | None:
     return None
 
 
-def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype) -> jax.Array:
-    """The global array of one param, each device's block built by its layer from `source`."""
+def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map: Sequence[int]) -> jax.Array:
+    """The global array of one param, each device's block built by its layer from `source`.
+
+    Stacked params follow `layer_map` (slot -> HF layer; -1 = an identity layer: zeros).
+    """
     shape = tuple(abstract.shape)
     tp_dim, tp = _tp_dim(spec), mesh.shape[TP]
 
+    def one(rank: int, layer: int | None) -> np.ndarray:
+        names = b.hf_names(layer)
+        tensors = {p: source.get(n) for p, n in names.items()}
+        return np.asarray(b.module.load_block(b.name, rank, tensors, names), dtype=dtype)
+
     def block(index):
         rank = 0 if tp_dim is None else (index[tp_dim].start or 0) // (shape[tp_dim] // tp)
-        layers = range(*index[0].indices(shape[0])) if b.stacked else [None]
-        blocks = []
-        for layer in layers:
-            names = b.hf_names(layer)
-            tensors = {p: source.get(n) for p, n in names.items()}
-            blocks.append(np.asarray(b.module.load_block(b.name, rank, tensors, names), dtype=dtype))
-        return np.stack(blocks) if b.stacked else blocks[0]
+        if not b.stacked:
+            return one(rank, None)
+        local = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape))
+        layers = [layer_map[j] for j in range(*index[0].indices(shape[0]))]
+        return np.stack([one(rank, layer) if layer >= 0 else np.zeros(local[1:], dtype) for layer in layers])
 
-    return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), block)
+    # dtype: a process holding none of the mesh's devices calls no callback, so cannot infer it
+    return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), block, dtype=dtype)
 
 
 def load_state(model: nnx.Module, mesh: Mesh, source, table: Sequence[Entry], num_layers: int, dtype,
                progress: bool = True):
-    """Real params for an abstract `model` (from `nnx.eval_shape`), placed per device."""
+    """Real params for an abstract `model` (from `nnx.eval_shape`), placed per device.
+
+    A model with pipeline padding exposes `layer_map` (stacked slot -> HF layer, -1 = identity).
+    """
+    layer_map = tuple(getattr(model, "layer_map", range(num_layers)))
     bindings = bind(model, table)
     check_source(bindings, source, num_layers)
     state = nnx.state(model, nnx.Param)
@@ -119,7 +130,8 @@ def load_state(model: nnx.Module, mesh: Mesh, source, table: Sequence[Entry], nu
     from tqdm.auto import tqdm
     for b, (path, var) in zip(bindings, tqdm(nnx.to_flat_state(state), desc="loading weights", unit="param",
                                              disable=not progress)):
-        loaded[path] = place_param(b, var.get_value(), flat_specs[path].get_value(), mesh, source, dtype)
+        loaded[path] = place_param(b, var.get_value(), flat_specs[path].get_value(), mesh, source, dtype,
+                                   layer_map)
     return loaded
 
 

@@ -7,7 +7,7 @@
     logits = lm_head(norm(h))                          vocab-parallel, all-gathered
 
 Everything below runs inside `shard_map` on local shapes; see `forward_fn`.
-Also registered for Mistral without a sliding window (same graph).
+Qwen2, Qwen3 and Mistral subclass these pieces (models/qwen2.py, qwen3.py, mistral.py).
 """
 
 from __future__ import annotations
@@ -26,24 +26,35 @@ from tp_jax.models.config import ModelConfig
 from tp_jax.models.registry import register
 from tp_jax.models.rope import apply_rope, inv_freq
 from tp_jax.layers.stack import Stack
+from tp_jax.pipeline import run_pipeline, stage_layer_map
 
 Cache = tuple[jax.Array, jax.Array]          # k, v: [L, B, S, kv_local, hd] each
 
 
 class LlamaAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, tp: int, dtype, rngs: nnx.Rngs):
+        qkv_bias, o_bias = self.biases(cfg)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          tp_size=tp, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+                                          tp_size=tp, bias=qkv_bias, dtype=dtype, rngs=rngs)
         plan = self.qkv_proj.plan
         self.o_proj = RowParallelLinear(plan.padded_q_heads * cfg.head_dim, cfg.hidden_size, tp_size=tp,
-                                        bias=cfg.attention_bias, in_rows=expand_heads(plan.q_heads, cfg.head_dim),
+                                        bias=o_bias, in_rows=expand_heads(plan.q_heads, cfg.head_dim),
                                         hf_in_features=cfg.num_heads * cfg.head_dim, dtype=dtype, rngs=rngs)
         self.freq = tuple(inv_freq(cfg.rope, cfg.head_dim).tolist())     # static, not state
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.sliding_window
 
+    def biases(self, cfg: ModelConfig) -> tuple[bool, bool]:
+        """Hook: (q/k/v bias, o_proj bias). Llama ties both to `attention_bias`; Qwen2 overrides."""
+        return cfg.attention_bias, cfg.attention_bias
+
+    def normalize_qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Hook before RoPE: identity for Llama; Qwen3 applies per-head RMSNorm."""
+        return q, k
+
     def qkv(self, x: jax.Array, positions: jax.Array):
         q, k, v = self.qkv_proj(x)                           # [B, T, q_local | kv_local, hd]
+        q, k = self.normalize_qk(q, k)
         freq = np.asarray(self.freq, np.float32)
         return apply_rope(q, positions, freq), apply_rope(k, positions, freq), v
 
@@ -92,37 +103,57 @@ class LlamaDecoderLayer(nnx.Module):
 class LlamaModel(nnx.Module):
     layer_cls = LlamaDecoderLayer
 
-    def __init__(self, cfg: ModelConfig, tp: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tp: int, dtype, rngs: nnx.Rngs, pp: int = 1):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size=tp, dtype=dtype,
                                                    rngs=rngs)
-        self.layers = Stack(lambda r: self.layer_cls(cfg, tp, dtype, r), cfg.num_layers, rngs)
+        self.layer_map = stage_layer_map(cfg.num_layers, pp)        # stacked slot -> HF layer (-1: identity)
+        self.layers = Stack(lambda r: self.layer_cls(cfg, tp, dtype, r), len(self.layer_map), rngs)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
 
-    def __call__(self, ids, positions, kv: Cache | None = None, attend_cache: bool = False):
-        h = self.embed_tokens(ids)
-        h, kv = self.layers(lambda layer, h, kv: layer(h, positions, kv, attend_cache), h, kv)
+    def __call__(self, ids, positions, kv: Cache | None = None, attend_cache: bool = False, microbatches: int = 1):
+        def stage(h, pos, kv):                                    # this pp stage's layers, scanned
+            return self.layers(lambda layer, h, kv_i: layer(h, pos, kv_i, attend_cache), h, kv)
+
+        h, kv = run_pipeline(stage, self.embed_tokens(ids), positions, kv, microbatches)
         return self.norm(h), kv
 
 
-@register("LlamaForCausalLM", "MistralForCausalLM")
+@register("LlamaForCausalLM")
 class LlamaForCausalLM(nnx.Module):
     """ids[B, T], positions[B, T] (+ a KV cache) -> logits[B, T, V] (local shapes, under shard_map)."""
     model_cls = LlamaModel
 
-    def __init__(self, cfg: ModelConfig, *, tp_size: int = 1, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
-        self.tp_size = tp_size
-        self.model = self.model_cls(cfg, tp_size, dtype, rngs)
+        self.tp_size, self.pp_size = tp_size, pp_size
+        self.model = self.model_cls(cfg, tp_size, dtype, rngs, pp_size)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_size=tp_size, dtype=dtype, rngs=rngs)
+
+    @property
+    def layer_map(self) -> tuple[int, ...]:
+        """Stacked layer slot -> HF layer index (-1: identity padding for pp), for the loader."""
+        return self.model.layer_map
 
     def logits(self, h: jax.Array) -> jax.Array:
         if self.lm_head is None:
             return self.model.embed_tokens.attend(h)
         return self.lm_head(h)
 
-    def __call__(self, ids, positions, kv: Cache | None = None, attend_cache: bool = False):
-        h, kv = self.model(ids, positions, kv, attend_cache)
+    def __call__(self, ids, positions, kv: Cache | None = None, attend_cache: bool = False, microbatches: int = 1):
+        h, kv = self.model(ids, positions, kv, attend_cache, microbatches)
         return self.logits(h), kv
+
+
+def llama_model_with(attention: type[LlamaAttention]) -> type[LlamaModel]:
+    """LlamaModel whose decoder layers use `attention` (a LlamaAttention subclass): the hook for
+    models that differ from Llama only inside attention (Qwen2, Qwen3)."""
+    class DecoderLayer(LlamaDecoderLayer):
+        attention_cls = attention
+
+    class Model(LlamaModel):
+        layer_cls = DecoderLayer
+
+    return Model

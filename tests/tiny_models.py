@@ -21,6 +21,9 @@ VARIANTS = {
     "bf16sharded": dict(num_attention_heads=8, num_key_value_heads=2),
 }
 
+# Deeper models for pipeline parallelism (pp up to 8; 10 layers do not split evenly).
+DEEP = {"deep": dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=10)}
+
 BASE = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
             rms_norm_eps=1e-5, max_position_embeddings=128, tie_word_embeddings=False,
             architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
@@ -28,7 +31,7 @@ BASE = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_la
 
 def hf_config(name: str):
     from transformers import LlamaConfig
-    kw = {**BASE, **VARIANTS[name]}
+    kw = {**BASE, **{**VARIANTS, **DEEP}[name]}
     if "rope_parameters" not in kw:
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     return LlamaConfig(**kw)
@@ -42,19 +45,25 @@ def make_checkpoint(name: str, root: str) -> str:
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     torch.manual_seed(sum(map(ord, name)))
-    model = LlamaForCausalLM(hf_config(name)).eval()
-    with torch.no_grad():                    # random norms and biases, so every weight matters
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif n.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
+    model = randomize(LlamaForCausalLM(hf_config(name)).eval())
     if name == "bf16sharded":
         model = model.to(torch.bfloat16)
         model.save_pretrained(path, safe_serialization=True, max_shard_size="100KB")
     else:
         model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def randomize(model):
+    """Random norm weights and biases (HF initializes them to 1 and 0), so every weight matters."""
+    import torch
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif n.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
 
 
 def hf_logits(path: str, ids: np.ndarray) -> np.ndarray:

@@ -27,8 +27,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tp_jax import sampling
+from tp_jax.distributed import to_global, to_host
 from tp_jax.kv_cache import CACHE_SPEC, cache_shape, new_cache
-from tp_jax.mesh import DP, TP
+from tp_jax.mesh import DP, PP, TP
+from tp_jax.pipeline import choose_microbatches
 from tp_jax.sampling import SamplingParams, SamplingTensors
 
 
@@ -49,36 +51,49 @@ class Event:
 
 class Engine:
     def __init__(self, model: nnx.Module, mesh: Mesh, max_model_len: int, eos_token_ids: Sequence[int] = (),
-                 max_num_seqs: int = 256, seed: int = 0):
+                 max_num_seqs: int = 256, seed: int = 0, num_microbatches: int | None = None):
         self.mesh, self.max_model_len, self.seed = mesh, max_model_len, seed
         self.cfg = model.config
         self.eos = tuple(eos_token_ids)
         self.max_num_seqs = max_num_seqs
+        self.num_microbatches = mesh.shape[PP] if num_microbatches is None else num_microbatches
+        choose_microbatches(1, self.num_microbatches)              # validates >= 1
         graphdef, self.state = nnx.split(model)
         self.dtype = model.model.embed_tokens.embedding.get_value().dtype
         specs = nnx.get_partition_spec(self.state)
         self.stats = {"decode_steps": 0, "compactions": 0}
 
-        def prefill(state, ids, positions, lengths, cache):
+        def prefill(state, ids, positions, lengths, cache, microbatches):
             m = nnx.merge(graphdef, state)
-            h, cache = m.model(ids, positions, cache, False)
+            h, cache = m.model(ids, positions, cache, False, microbatches)
             last = h[jnp.arange(h.shape[0]), lengths - 1]                       # [B, D]
             return m.logits(last[:, None])[:, 0], cache
 
-        def decode(state, tokens, positions, cache):
+        def decode(state, tokens, positions, cache, microbatches):
             m = nnx.merge(graphdef, state)
-            logits, cache = m(tokens[:, None], positions[:, None], cache, True)
+            logits, cache = m(tokens[:, None], positions[:, None], cache, True, microbatches)
             return logits[:, 0], cache
 
-        b = P(DP)
-        self.prefill_logits = jax.shard_map(prefill, mesh=mesh, in_specs=(specs, b, b, b, (CACHE_SPEC,) * 2),
-                                          out_specs=(b, (CACHE_SPEC,) * 2), check_vma=False)
-        self.decode_logits = jax.shard_map(decode, mesh=mesh, in_specs=(specs, b, b, (CACHE_SPEC,) * 2),
-                                         out_specs=(b, (CACHE_SPEC,) * 2), check_vma=False)
+        b, c = P(DP), (CACHE_SPEC,) * 2
+        self._prefill = lambda mb: jax.shard_map(functools.partial(prefill, microbatches=mb), mesh=mesh,
+                                                 in_specs=(specs, b, b, b, c), out_specs=(b, c), check_vma=False)
+        self._decode = lambda mb: jax.shard_map(functools.partial(decode, microbatches=mb), mesh=mesh,
+                                                in_specs=(specs, b, b, c), out_specs=(b, c), check_vma=False)
         self.prefill_step = jax.jit(self._prefill_step, donate_argnames=("cache",),
                                     static_argnames=("num_logprobs", "penalties"))
         self.decode_step = jax.jit(self._decode_step, donate_argnames=("cache", "counts"),
                                    static_argnames=("num_logprobs", "penalties"))
+
+    def microbatches(self, batch: int) -> int:
+        return choose_microbatches(batch // self.mesh.shape[DP], self.num_microbatches)
+
+    def prefill_logits(self, state, ids, positions, lengths, cache):
+        """Last-prompt-token logits [B, V] and the filled cache (a shard_map'd forward; jit it)."""
+        return self._prefill(self.microbatches(ids.shape[0]))(state, ids, positions, lengths, cache)
+
+    def decode_logits(self, state, tokens, positions, cache):
+        """One decode step's logits [B, V] and the updated cache."""
+        return self._decode(self.microbatches(tokens.shape[0]))(state, tokens, positions, cache)
 
     # --- jitted steps: forward + sampling ---------------------------------------------------
     def _sample(self, logits, tensors, steps, prompt_mask, counts, active, num_logprobs, penalties):
@@ -92,7 +107,7 @@ class Engine:
     def _prefill_step(self, state, ids, lengths, cache, tensors, prompt_mask, counts, active, *,
                       num_logprobs, penalties):
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-        logits, cache = self.prefill_logits(state, ids, positions, lengths, cache)
+        logits, cache = self._prefill(self.microbatches(ids.shape[0]))(state, ids, positions, lengths, cache)
         steps = jnp.zeros(ids.shape[:1], jnp.int32)
         tokens, lp, counts = self._sample(logits, tensors, steps, prompt_mask, counts, active, num_logprobs,
                                           penalties)
@@ -100,7 +115,7 @@ class Engine:
 
     def _decode_step(self, state, tokens, positions, steps, cache, tensors, prompt_mask, counts, active, *,
                      num_logprobs, penalties):
-        logits, cache = self.decode_logits(state, tokens, positions, cache)
+        logits, cache = self._decode(self.microbatches(tokens.shape[0]))(state, tokens, positions, cache)
         tokens, lp, counts = self._sample(logits, tensors, steps, prompt_mask, counts, active, num_logprobs,
                                           penalties)
         return tokens, lp, cache, counts
@@ -153,7 +168,7 @@ class _Run:
                              for p in params)
 
     def put(self, x, spec=P(DP)):
-        return jax.device_put(x, NamedSharding(self.e.mesh, spec))
+        return to_global(x, NamedSharding(self.e.mesh, spec))           # works when the mesh spans processes
 
     def loop(self) -> Iterator[list[Event]]:
         e = self.e
@@ -172,7 +187,7 @@ class _Run:
         self.prompt_mask = self.put(sampling.prompt_mask_from_ids(jnp.asarray(ids), jnp.asarray(lengths), v)) \
             if self.penalties else self.put(np.zeros((self.batch, 1), bool))
         self.counts = self.put(np.zeros((self.batch, v if self.penalties else 1), np.int32))
-        shape = cache_shape(e.cfg, e.mesh.shape[TP], self.batch, self.max_len, e.dtype)
+        shape = cache_shape(e.cfg, e.mesh.shape[TP], self.batch, self.max_len, e.dtype, e.mesh.shape[PP])
         cache = new_cache(shape, e.mesh)
         tokens, lp, cache, self.counts = e.prefill_step(
             e.state, self.put(ids), self.put(lengths), cache, self.tensors, self.prompt_mask, self.counts,
@@ -200,7 +215,7 @@ class _Run:
         return np.array([s >= 0 and not self.done[s] for s in self.rows])
 
     def collect(self, tokens, lp) -> list[Event]:
-        tokens, chosen, top_ids, top_lp = jax.device_get((tokens, lp.logprob, lp.top_ids, lp.top_logprobs))
+        tokens, chosen, top_ids, top_lp = to_host((tokens, lp.logprob, lp.top_ids, lp.top_logprobs))
         events = []
         for r, s in enumerate(self.rows):
             if s < 0 or self.done[s]:

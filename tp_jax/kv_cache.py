@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tp_jax.heads import plan_heads
 from tp_jax.mesh import DP, PP, TP
+from tp_jax.pipeline import padded_layers
 
 CACHE_SPEC = P(PP, DP, None, TP, None)
 
@@ -42,9 +43,11 @@ class CacheShape:
         return 2 * math.prod(self.shape) * np.dtype(self.dtype).itemsize // shards
 
 
-def cache_shape(cfg, tp: int, batch: int, max_len: int, dtype) -> CacheShape:
+def cache_shape(cfg, tp: int, batch: int, max_len: int, dtype, pp: int = 1) -> CacheShape:
+    """Layers padded for pp exactly like the model's stacked params (tp_jax.pipeline)."""
     plan = plan_heads(cfg.num_heads, cfg.num_kv_heads, tp)
-    return CacheShape(cfg.num_layers, batch, max_len, plan.padded_kv_heads, cfg.head_dim, np.dtype(dtype))
+    return CacheShape(padded_layers(cfg.num_layers, pp), batch, max_len, plan.padded_kv_heads, cfg.head_dim,
+                      np.dtype(dtype))
 
 
 def new_cache(shape: CacheShape, mesh: Mesh) -> tuple[jax.Array, jax.Array]:

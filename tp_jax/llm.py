@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tp_jax.distributed import agree, share_from_driver, to_global, to_host
 from tp_jax.mesh import DP, make_mesh
+from tp_jax.pipeline import choose_microbatches
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -46,13 +48,13 @@ def build_mesh(tp: int, pp: int, dp: int, devices=None):
 class LLM:
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  data_parallel_size: int = 1, dtype: str = "auto", max_model_len: int | None = None,
-                 max_num_seqs: int = 256, seed: int = 0, devices=None, progress: bool = True):
+                 max_num_seqs: int = 256, num_microbatches: int | None = None, seed: int = 0, devices=None,
+                 progress: bool = True):
         from tp_jax.loaders.default import default_model_path
         from tp_jax.loaders.model import load_from_source, open_checkpoint
-        if pipeline_parallel_size != 1:
-            raise NotImplementedError("pipeline_parallel_size > 1 is not supported yet; use tensor or data "
-                                      "parallelism")
         self.model_path = default_model_path() if model is None else str(model)
+        agree("the LLM arguments", dict(tp=tensor_parallel_size, pp=pipeline_parallel_size, dp=data_parallel_size,
+                                        dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed))
         self.mesh = build_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, devices)
         self.dtype = resolve_dtype(dtype)
         t = time.perf_counter()
@@ -65,6 +67,8 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, {limit}] "
                              f"(the model's max_position_embeddings)")
         self.seed, self.max_num_seqs = seed, max_num_seqs
+        self.num_microbatches = pipeline_parallel_size if num_microbatches is None else num_microbatches
+        choose_microbatches(1, self.num_microbatches)
         self._forward = None
         self._engine = None
         self._tokenizer = None
@@ -77,12 +81,15 @@ class LLM:
         if self._forward is None:
             from tp_jax.shard import shard_module
             self._forward = shard_module(self.model, self.mesh, in_specs=(jax.P(DP), jax.P(DP)),
-                                         out_specs=jax.P(DP), method=lambda m, ids, pos: m(ids, pos)[0])
+                                         out_specs=jax.P(DP), method=self._full_forward)
         return self._forward
+
+    def _full_forward(self, model, ids, positions):
+        return model(ids, positions, microbatches=choose_microbatches(ids.shape[0], self.num_microbatches))[0]
 
     def get_logits(self, token_ids) -> np.ndarray:
         """Full forward, no cache: token_ids [B, T] (or one list) -> logits [B, T, V] float32."""
-        ids = np.asarray(token_ids)
+        ids = np.asarray(share_from_driver(lambda: np.asarray(token_ids).tolist()))     # process 0's ids
         if ids.ndim == 1:
             ids = ids[None]
         if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -94,10 +101,11 @@ class LLM:
         if ids.shape[1] > self.max_model_len:
             raise ValueError(f"get_logits: {ids.shape[1]} tokens exceed max_model_len={self.max_model_len}")
         b = ids.shape[0]
-        pad = (-b) % self.dp
+        pad = (-b) % (self.dp * (self.num_microbatches if b > self.dp else 1))
         ids = np.pad(ids, ((0, pad), (0, 0))).astype(np.int32)
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-        return np.asarray(self._logits_fn()(ids, pos), dtype=np.float32)[:b]
+        put = lambda x: to_global(x, jax.NamedSharding(self.mesh, jax.P(DP)))
+        return np.asarray(to_host(self._logits_fn()(put(ids), put(pos))), dtype=np.float32)[:b]
 
     # --- generation -----------------------------------------------------------------------
     @property
@@ -105,7 +113,7 @@ class LLM:
         if self._engine is None:
             from tp_jax.engine import Engine
             self._engine = Engine(self.model, self.mesh, self.max_model_len, self.eos_token_ids(),
-                                  self.max_num_seqs, self.seed)
+                                  self.max_num_seqs, self.seed, self.num_microbatches)
         return self._engine
 
     def eos_token_ids(self) -> tuple[int, ...]:

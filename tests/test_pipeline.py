@@ -1,0 +1,118 @@
+"""Pipeline and data parallelism in one SPMD program: every (dp, pp, tp) factorization of 8 devices."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from tests.tiny_models import hf_greedy, hf_logits, make_checkpoint
+from tp_jax.llm import LLM
+from tp_jax.pipeline import bubble_fraction, choose_microbatches, stage_layer_map
+from tp_jax.sampling import SamplingParams
+
+MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2),
+          (4, 2, 1), (8, 1, 1)]
+PROMPTS = [[5, 17, 300, 42, 9], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [999, 3]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def test_stage_layer_map():
+    assert stage_layer_map(30, 4) == (*range(8), *range(8, 16), *range(16, 23), -1, *range(23, 30), -1)
+    assert stage_layer_map(10, 8) == (0, 1, 2, 3, 4, -1, 5, -1, 6, -1, 7, -1, 8, -1, 9, -1)
+    assert stage_layer_map(4, 2) == (0, 1, 2, 3)
+    for layers, pp in [(30, 4), (10, 8), (7, 3), (1, 1)]:
+        m = stage_layer_map(layers, pp)
+        assert sorted(x for x in m if x >= 0) == list(range(layers))
+        real = [sum(x >= 0 for x in m[s * len(m) // pp:(s + 1) * len(m) // pp]) for s in range(pp)]
+        assert max(real) - min(real) <= 1
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=5 exceeds the model's 4 layers"):
+        stage_layer_map(4, 5)
+
+
+def test_microbatches_and_bubble():
+    assert choose_microbatches(8, 4) == 4 and choose_microbatches(6, 4) == 3 and choose_microbatches(1, 4) == 1
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7) and bubble_fraction(1, 1) == 0
+    with pytest.raises(ValueError, match=r"num_microbatches=0 must be >= 1"):
+        choose_microbatches(4, 0)
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    path = make_checkpoint("deep", str(tmp_path_factory.mktemp("deep")))
+    ids = np.random.default_rng(1).integers(0, 1000, size=(4, 9))
+    return path, ids, hf_logits(path, ids), [hf_greedy(path, p, 8) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("dp,pp,tp", MESHES, ids=lambda v: str(v))
+def test_every_factorization(deep, dp, pp, tp):
+    path, ids, ref, greedy = deep
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, progress=False)
+    diff = float(np.abs(llm.get_logits(ids) - ref).max())
+    assert diff <= 1e-4, diff
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == greedy      # == transformers == (1, 1, 1)
+
+
+def test_odd_batch_is_padded_for_dp(deep):
+    path, ids, ref, greedy = deep
+    llm = LLM(path, data_parallel_size=4, pipeline_parallel_size=2, progress=False)
+    np.testing.assert_allclose(llm.get_logits(ids[:3]), ref[:3], atol=1e-4)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
+
+
+def test_hlo_pp_handoff_is_neighbour_collective_permute(deep):
+    path, ids, _, _ = deep
+    for dp, pp, tp in [(1, 2, 4), (1, 4, 2)]:
+        llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, progress=False)
+        fn = llm._logits_fn()
+        pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int32)
+        hlo = jax.jit(lambda i, p: fn(i, p)).lower(ids.astype(np.int32), pos).compile().as_text()
+        assert not re.search(r"\ball-to-all", hlo)
+        pairs = [(int(a), int(b)) for p in re.findall(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}", hlo)
+                 for a, b in re.findall(r"\{(\d+),(\d+)\}", p)]
+        assert pairs, "the stage hand-off must be a collective-permute"
+        assert all(dst - src == tp for src, dst in pairs)    # to the next stage, same tp rank: neighbours only
+        assert {src // tp for src, _ in pairs} == set(range(pp - 1))
+        bodies = re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo)
+        comps = _computations(hlo)
+        for b in bodies:                               # each scanned layer loop: 2 tp all-reduces
+            assert len(re.findall(r"\ball-reduce(?:-start)?\(", comps[b])) == 2
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    out, name = {}, None
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m:
+            name = m.group(1)
+            out[name] = ""
+        elif name:
+            out[name] += line + "\n"
+    return out
+
+
+def test_bad_input(deep):
+    path = deep[0]
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=8 exceeds the model's 2 layers"):
+        LLM(make_checkpoint("gqa", str(__import__("tempfile").mkdtemp())), pipeline_parallel_size=8, progress=False)
+    with pytest.raises(ValueError, match=r"num_microbatches=0 must be >= 1"):
+        LLM(path, pipeline_parallel_size=2, num_microbatches=0, progress=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,pp,tp", [(1, 2, 4), (2, 2, 2), (1, 4, 2)], ids=lambda v: str(v))
+def test_smollm2(smollm2_path, smollm2_hf, dp, pp, tp):
+    import torch
+    from tp_jax.tokenizer import load_tokenizer
+    tok = load_tokenizer(smollm2_path)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog because it wanted to see the river.")
+    with torch.no_grad():
+        ref = smollm2_hf(torch.tensor([ids])).logits.numpy()
+        greedy = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                     eos_token_id=None, pad_token_id=2)[0, len(ids):].tolist()
+    llm = LLM(smollm2_path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+              progress=False)
+    assert float(np.abs(llm.get_logits([ids]) - ref).max()) <= 1e-3
+    out = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == greedy

@@ -1,9 +1,11 @@
 """Decode throughput of tp_jax vs transformers on SmolLM2 (greedy, same weights, same prompt), one JSON line.
 
-    python scripts/bench_decode.py [--batch 1 8] [--tokens 64] [--tp 1] [--simulate-devices N]
+    python scripts/bench_decode.py [--batch 1 8] [--tokens 64] [--dp 1 --pp 1 --tp 1] [--simulate-devices N]
 
 Decode time is T(N tokens) - T(1 token), for both engines, so prefill and compile are out.
 Roofline: bytes of weights read per decode step / the machine's measured read bandwidth.
+With --pp > 1 each batch row also reports the GPipe bubble (idle stage-steps / total) for the
+micro-batch count the engine uses at that batch size.
 """
 
 import argparse
@@ -20,6 +22,7 @@ def parse_args():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--num-microbatches", type=int, default=None, help="default: pp")
     ap.add_argument("--simulate-devices", type=int, default=0)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--prompt", default="Once upon a time")
@@ -73,8 +76,9 @@ def main():
     import jax
     from flax import nnx
     from tp_jax import LLM
+    from tp_jax.pipeline import bubble_fraction
     llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp,
-              pipeline_parallel_size=args.pp, progress=False)
+              pipeline_parallel_size=args.pp, num_microbatches=args.num_microbatches, progress=False)
     ids = llm.get_tokenizer().encode(args.prompt)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model, nnx.Param)))
     bandwidth = read_bandwidth_gbps()
@@ -93,8 +97,10 @@ def main():
     roofline_step = weight_bytes / (bandwidth * 1e9)
     for b in args.batch:
         step, toks = ours(llm, ids, b, args.tokens)
+        mb = llm.engine.microbatches(llm.engine.batch_bucket(b))
         row = {"tp_jax_tokens_per_s": round(b / step, 2), "tp_jax_step_ms": round(step * 1e3, 2),
-               "roofline_pct": round(100 * roofline_step / step, 1)}
+               "roofline_pct": round(100 * roofline_step / step, 1), "microbatches": mb,
+               "bubble_fraction": round(bubble_fraction(args.pp, mb), 3)}
         if hf is not None:
             hf_step, hf_toks = theirs(hf, ids, b, args.tokens)
             row.update({"transformers_tokens_per_s": round(b / hf_step, 2),

@@ -84,6 +84,10 @@ class Engine:
         self.decode_step = jax.jit(self._decode_step, donate_argnames=("cache", "counts"),
                                    static_argnames=("num_logprobs", "penalties"))
 
+    def batch_bucket(self, n: int) -> int:
+        """The padded batch for n sequences: a power of two, a multiple of dp."""
+        return _round_up(next_pow2(n), self.mesh.shape[DP])
+
     def microbatches(self, batch: int) -> int:
         return choose_microbatches(batch // self.mesh.shape[DP], self.num_microbatches)
 
@@ -152,14 +156,13 @@ class _Run:
 
     def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams], should_stop):
         self.e, self.prompts, self.params, self.should_stop = engine, prompts, params, should_stop
-        dp = engine.mesh.shape[DP]
         n = len(prompts)
         self.lengths = [len(p) for p in prompts]
         self.budget = [min(p.max_tokens or engine.max_model_len, engine.max_model_len - len(q))
                        for p, q in zip(params, prompts)]
         need = max(l + b for l, b in zip(self.lengths, self.budget))
         self.max_len = min(engine.max_model_len, next_pow2(need, 64))
-        self.batch = _round_up(next_pow2(n), dp)
+        self.batch = engine.batch_bucket(n)
         self.rows = list(range(n)) + [-1] * (self.batch - n)              # batch row -> sequence (-1: pad)
         self.generated: list[list[int]] = [[] for _ in range(n)]
         self.done = [False] * n
@@ -247,8 +250,7 @@ class _Run:
     def maybe_compact(self) -> None:
         """Shrink the batch to the next smaller bucket once at most half of it is running."""
         live = [r for r, s in enumerate(self.rows) if s >= 0 and not self.done[s]]
-        dp = self.e.mesh.shape[DP]
-        new_batch = _round_up(next_pow2(len(live)), dp)
+        new_batch = self.e.batch_bucket(len(live))
         if new_batch >= self.batch:
             return
         keep = live + [r for r in range(self.batch) if r not in live][:new_batch - len(live)]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from tests.hlo import count
 from tp_jax import collectives as C
 from tests.conftest import mesh_for
 
@@ -16,9 +17,6 @@ def run(mesh, fn, x, in_spec=P("tp"), out_spec=P("tp")):
     f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(in_spec,), out_specs=out_spec, check_vma=False))
     return np.asarray(f(x)), f.lower(x).compile().as_text()
 
-
-def count(hlo: str, op: str) -> int:
-    return len(re.findall(rf"\b{op}(-start)?\(", hlo))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

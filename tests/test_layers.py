@@ -1,6 +1,5 @@
 """Every parallel layer, sharded == numpy on the full HF-layout weights, for tp in {1,2,4,8} and 3."""
 
-import re
 
 import jax
 import numpy as np
@@ -8,6 +7,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from tests.hlo import count
 from tp_jax.heads import plan_heads
 from tp_jax.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                            QKVParallelLinear, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -153,9 +153,6 @@ def hlo_of(layer, mesh, x, in_spec, out_spec):
     graph_fn = shard_module(layer, mesh, in_specs=(in_spec,), out_specs=out_spec, jit=False)
     return jax.jit(graph_fn).lower(x).compile().as_text()
 
-
-def count(hlo, op):
-    return len(re.findall(rf"\b{op}(-start)?\(", hlo))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])

@@ -1,11 +1,10 @@
 """Llama on the parallel layers vs transformers (torch CPU, float32), at tp in {1, 2, 3, 4, 8}."""
 
-import re
-
 import jax
 import numpy as np
 import pytest
 
+from tests.hlo import count, loop_bodies
 from tests.tiny_models import VARIANTS, hf_logits, make_checkpoint
 from tp_jax.llm import LLM
 
@@ -53,23 +52,6 @@ def test_repeated_calls_reuse_the_compiled_program(references):
     assert llm._logits_fn() is fn
 
 
-def _computations(hlo: str) -> dict[str, str]:
-    """HLO text split into computations by name."""
-    out, name = {}, None
-    for line in hlo.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if m:
-            name = m.group(1)
-            out[name] = ""
-        elif name:
-            out[name] += line + "\n"
-    return out
-
-
-def _count(text: str, op: str) -> int:
-    return len(re.findall(rf"\b{op}(?:-start)?\(", text))
-
-
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_hlo_two_all_reduces_per_layer(references, tp):
     path, ids, _ = references["h9kv3"]
@@ -77,10 +59,8 @@ def test_hlo_two_all_reduces_per_layer(references, tp):
     pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
     fn = llm._logits_fn()
     hlo = jax.jit(lambda i, p: fn(i, p)).lower(ids.astype(np.int32), pos.astype(np.int32)).compile().as_text()
-    comps = _computations(hlo)
-    bodies = re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo)
+    bodies = loop_bodies(hlo)
     assert bodies, "the decoder layers should run as one scanned (while) loop"
-    in_body = sum(_count(comps[b], "all-reduce") for b in bodies)
-    assert in_body == (2 if tp > 1 else 0)              # o_proj and down_proj
-    assert _count(hlo, "all-to-all") == 0
-    assert _count(hlo, "all-reduce") == (3 if tp > 1 else 0)   # + the vocab-parallel embedding
+    assert sum(count(b, "all-reduce") for b in bodies) == (2 if tp > 1 else 0)     # o_proj and down_proj
+    assert count(hlo, "all-to-all") == 0
+    assert count(hlo, "all-reduce") == (3 if tp > 1 else 0)   # + the vocab-parallel embedding

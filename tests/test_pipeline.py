@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.hlo import count, loop_bodies
 from tests.tiny_models import hf_greedy, hf_logits, make_checkpoint
 from tp_jax.llm import LLM
 from tp_jax.pipeline import bubble_fraction, choose_microbatches, stage_layer_map
@@ -68,28 +69,14 @@ def test_hlo_pp_handoff_is_neighbour_collective_permute(deep):
         fn = llm._logits_fn()
         pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int32)
         hlo = jax.jit(lambda i, p: fn(i, p)).lower(ids.astype(np.int32), pos).compile().as_text()
-        assert not re.search(r"\ball-to-all", hlo)
+        assert count(hlo, "all-to-all") == 0
         pairs = [(int(a), int(b)) for p in re.findall(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}", hlo)
                  for a, b in re.findall(r"\{(\d+),(\d+)\}", p)]
         assert pairs, "the stage hand-off must be a collective-permute"
         assert all(dst - src == tp for src, dst in pairs)    # to the next stage, same tp rank: neighbours only
         assert {src // tp for src, _ in pairs} == set(range(pp - 1))
-        bodies = re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo)
-        comps = _computations(hlo)
-        for b in bodies:                               # each scanned layer loop: 2 tp all-reduces
-            assert len(re.findall(r"\ball-reduce(?:-start)?\(", comps[b])) == 2
-
-
-def _computations(hlo: str) -> dict[str, str]:
-    out, name = {}, None
-    for line in hlo.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if m:
-            name = m.group(1)
-            out[name] = ""
-        elif name:
-            out[name] += line + "\n"
-    return out
+        for body in loop_bodies(hlo):                 # each scanned layer loop: 2 tp all-reduces
+            assert count(body, "all-reduce") == 2
 
 
 def test_bad_input(deep):

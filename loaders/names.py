@@ -40,7 +40,16 @@ LLAMA: list[Entry] = [
     *_linear("model.layers.{i}.mlp.down_proj", f"{L}.mlp.down_proj"),
 ]
 
-TABLES: dict[str, list[Entry]] = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": LLAMA}
+# Qwen3: Llama's names plus the per-head q/k norms (Qwen2's q/k/v biases are already in LLAMA's
+# `_linear` entries; an entry whose param the model lacks is never asked for).
+QWEN3: list[Entry] = [
+    *LLAMA,
+    Entry("model.layers.{i}.self_attn.q_norm.weight", f"{L}.self_attn.q_norm.weight", "weight"),
+    Entry("model.layers.{i}.self_attn.k_norm.weight", f"{L}.self_attn.k_norm.weight", "weight"),
+]
+
+TABLES: dict[str, list[Entry]] = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": LLAMA,
+                                  "Qwen2ForCausalLM": LLAMA, "Qwen3ForCausalLM": QWEN3}
 
 # HF tensors that carry no weights we need (buffers saved by old checkpoints).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

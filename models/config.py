@@ -1,8 +1,10 @@
 """The model config: a frozen dataclass built from a Hugging Face config by one function.
 
 `config_from_hf` reads what the supported architectures use and refuses what they do
-not support (an unknown rope scaling type, an active sliding window, another
-activation), naming the field; nothing is silently ignored.
+not support (an unknown rope scaling type, a sliding window where the architecture has
+none or only on some layers, another activation), naming the field; nothing is silently
+ignored. The few fields whose meaning depends on the architecture (q/k norm, sliding
+window) are read through the per-architecture tables below.
 """
 
 from __future__ import annotations
@@ -11,6 +13,14 @@ import dataclasses
 import os
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+# Architectures with a per-head RMSNorm on q and k before RoPE (weights q_norm / k_norm [head_dim]).
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+# How an architecture reads `sliding_window`: "all" -> every layer slides (Mistral); "per_layer" -> only
+# the layers HF marks "sliding_attention" (Qwen2/3: use_sliding_window, layers >= max_window_layers), which
+# tp_jax refuses unless no layer slides. Any other architecture must leave sliding_window unset.
+SLIDING_WINDOW_MODES = {"MistralForCausalLM": "all", "Qwen2ForCausalLM": "per_layer",
+                        "Qwen3ForCausalLM": "per_layer"}
 
 
 class UnsupportedConfigError(ValueError):
@@ -57,6 +67,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig: num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}.")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"ModelConfig: sliding_window={self.sliding_window!r} must be a positive integer "
+                             f"(the number of most recent keys a query sees, itself included) or None.")
         if self.rope.type not in ROPE_TYPES:
             raise UnsupportedConfigError(f"rope_scaling type {self.rope.type!r} is not supported; "
                                          f"supported: {ROPE_TYPES}")
@@ -93,13 +106,32 @@ def _check_supported(hf, arch: str) -> None:
     act = getattr(hf, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedConfigError(f"config field hidden_act={act!r} is not supported for {arch}; only 'silu'")
-    window = getattr(hf, "sliding_window", None)
-    if window is not None and getattr(hf, "use_sliding_window", True):
-        raise UnsupportedConfigError(f"config field sliding_window={window} (an active sliding window) is not "
-                                     f"supported for {arch}; set it to null for full attention")
     if getattr(hf, "partial_rotary_factor", 1.0) not in (None, 1.0):
         raise UnsupportedConfigError(f"config field partial_rotary_factor={hf.partial_rotary_factor} "
                                      f"is not supported")
+
+
+def _sliding_window(hf, arch: str) -> int | None:
+    """The window every layer uses (None: full attention), or UnsupportedConfigError naming the field."""
+    window = getattr(hf, "sliding_window", None)
+    mode = SLIDING_WINDOW_MODES.get(arch)
+    if window is None or mode == "all":
+        return None if window is None else int(window)
+    if mode == "per_layer":
+        if not getattr(hf, "use_sliding_window", False):
+            return None
+        first = int(getattr(hf, "max_window_layers", 0) or 0)
+        types = list(getattr(hf, "layer_types", None) or
+                     ["sliding_attention" if i >= first else "full_attention" for i in range(hf.num_hidden_layers)])
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        if not sliding:
+            return None
+        raise UnsupportedConfigError(
+            f"config field use_sliding_window=true (sliding_window={window}, max_window_layers={first}) gives "
+            f"{arch} layers {sliding[0]}..{sliding[-1]} a sliding window and the others full attention; tp_jax "
+            f"does not support per-layer windows. Set use_sliding_window to false for full attention")
+    raise UnsupportedConfigError(f"config field sliding_window={window} (an active sliding window) is not "
+                                 f"supported for {arch}; set it to null for full attention")
 
 
 def config_from_hf(hf) -> ModelConfig:
@@ -117,6 +149,7 @@ def config_from_hf(hf) -> ModelConfig:
         max_position_embeddings=int(getattr(hf, "max_position_embeddings", 2048)),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(hf, "attention_bias", False)), mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        qk_norm=arch in QK_NORM_ARCHITECTURES, sliding_window=_sliding_window(hf, arch),
         bos_token_id=getattr(hf, "bos_token_id", None), eos_token_ids=_eos_ids(hf))
 
 

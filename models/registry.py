@@ -34,4 +34,4 @@ def check_architecture(hf) -> str:
 
 
 def _import_models() -> None:
-    from tp_jax.models import llama  # noqa: F401  (registers itself)
+    from tp_jax.models import llama, mistral, qwen2, qwen3  # noqa: F401  (each registers itself)

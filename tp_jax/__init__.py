@@ -1,4 +1,13 @@
-"""tp_jax: tensor-parallel LLM inference in JAX, vLLM's model-parallel layers on XLA sharding."""
+"""tp_jax: tensor-parallel LLM inference in JAX, vLLM's model-parallel layers on XLA sharding.
+
+Two ways in:
+* the front door, `LLM(path, tensor_parallel_size=...)` with `SamplingParams`, for the
+  Hugging Face architectures in `tp_jax.models` (Llama, Mistral, Qwen2, Qwen3);
+* your own Flax NNX model: build it from the parallel layers below, create it under
+  `jax.set_mesh(make_mesh(tp=...))`, run its local-shape forward with `shard_module`, and
+  load a checkpoint per device through a name table of `Entry`s with `load_state` + `fill`.
+  See examples/custom_mlp_model.py and docs/adding_a_model.md.
+"""
 
 # --- mesh and collectives -------------------------------------------------------------
 from tp_jax.mesh import AXES, DP, PP, TP, make_mesh
@@ -10,8 +19,14 @@ from tp_jax.layers import (ColumnParallelLinear, LazyTensor, MergedColumnParalle
                            ParallelLMHead, ParallelModule, PartRows, QKVParallelLinear,
                            ReplicatedLinear, RowParallelLinear, ShardedParam, VocabParallelEmbedding,
                            WeightShapeError, padded_vocab_size)
+from tp_jax.layers.norm import RMSNorm
 # --- running a module under shard_map -------------------------------------------------
 from tp_jax.shard import param_specs, place, shard_module
+# --- loading a checkpoint per device: your name table + the loader ------------------------
+from tp_jax.loaders.names import Entry
+from tp_jax.loaders.place import MissingWeightError, bind, fill, load_state
+# --- simulated CPU devices (call before jax starts) -------------------------------------
+from tp_jax.devices import simulate_cpu_devices
 
 # --- the front door (imported on first use: it pulls in transformers) --------------------
 
@@ -38,5 +53,6 @@ __all__ = [
     "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "ReplicatedLinear",
     "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "padded_vocab_size",
     "ParallelModule", "LazyTensor", "PartRows", "ShardedParam", "WeightShapeError",
-    "param_specs", "place", "shard_module",
+    "RMSNorm", "param_specs", "place", "shard_module",
+    "Entry", "MissingWeightError", "bind", "fill", "load_state", "simulate_cpu_devices",
 ]

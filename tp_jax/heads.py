@@ -129,3 +129,24 @@ def _plan_replicate(num_kv: int, group: int, tp: int) -> tuple[np.ndarray, np.nd
             q[rank, :heads.size] = h * group + heads
             rank += 1
     return q, kv
+
+
+def plan_tables(num_heads: int, num_kv_heads: int, tps: tuple[int, ...]) -> str:
+    """Markdown: a summary row per tp, then each tp's per-rank slots (docs/head_plan.md is this output)."""
+    plans = [plan_heads(num_heads, num_kv_heads, tp) for tp in tps]
+    lines = ["| tp | q slots / rank | KV slots / rank | KV replicas | padded q heads | padded KV heads "
+             "| q/o weights | k/v weights, KV cache | attention weights |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in plans:
+        lines.append(f"| {p.tp} | {p.q_local} | {p.kv_local} | {p.kv_replicas} | {p.padded_q_heads} "
+                     f"| {p.padded_kv_heads} | +{p.q_overhead():.0%} | +{p.kv_overhead():.0%} "
+                     f"| +{p.attention_param_overhead():.0%} |")
+    for p in plans:
+        lines += ["", f"**tp = {p.tp}**: {p.describe()}", "", "| rank | query heads | KV heads |", "|---|---|---|"]
+        for rank, (q, kv) in enumerate(zip(p.q_slots, p.kv_slots)):
+            lines.append(f"| {rank} | {_slots(q)} | {_slots(kv)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _slots(slots: tuple[int, ...]) -> str:
+    return ", ".join("pad" if s < 0 else str(s) for s in slots)

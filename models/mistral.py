@@ -1,0 +1,18 @@
+"""MistralForCausalLM: Llama's graph with sliding-window attention on every layer.
+
+A query at position p sees the keys at positions p - w < k <= p (w = `sliding_window`,
+itself included), exactly transformers' `sliding_window_overlay`; its cache keeps the
+last w - 1 keys plus the new one, so cached decode sees the same keys. `LlamaAttention`
+already reads `cfg.sliding_window` (None for Mistral checkpoints without a window), so
+nothing but the registration differs from Llama.
+"""
+
+from __future__ import annotations
+
+from tp_jax.models.llama import LlamaForCausalLM
+from tp_jax.models.registry import register
+
+
+@register("MistralForCausalLM")
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same params and weight names as Llama; `config.sliding_window` bounds every layer's attention."""

@@ -220,6 +220,21 @@ def test_tiny_temperature_is_argmax(temperature):
     np.testing.assert_array_equal(draws(jnp.asarray(logits), t, n=50), np.tile(top, (50, 1)))
 
 
+def test_greedy_fast_path_equals_sample():
+    from tp_jax.sampling import greedy, sample
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((3, 64)).astype(np.float32)
+    logits[:, 60:] = F32_MIN
+    logits[1, 61] = F32_MIN                                    # padded ids never win
+    t = tensors(*(SamplingParams(temperature=0.0) for _ in range(3)), vocab=64)
+    tok_a, lp_a = greedy(jnp.asarray(logits), num_logprobs=4)
+    tok_b, lp_b = sample(jnp.asarray(logits), t, 0, num_logprobs=4)
+    np.testing.assert_array_equal(tok_a, logits.argmax(-1))
+    np.testing.assert_array_equal(tok_a, tok_b)
+    for a, b in zip(lp_a, lp_b):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 # --- penalties ------------------------------------------------------------------------------
 
 def ref_penalties(logits, prompt_mask, counts, rep, pres, freq):

@@ -80,9 +80,9 @@ class Engine:
         self._decode = lambda mb: jax.shard_map(functools.partial(decode, microbatches=mb), mesh=mesh,
                                                 in_specs=(specs, b, b, c), out_specs=(b, c), check_vma=False)
         self.prefill_step = jax.jit(self._prefill_step, donate_argnames=("cache",),
-                                    static_argnames=("num_logprobs", "penalties"))
+                                    static_argnames=("num_logprobs", "penalties", "all_greedy"))
         self.decode_step = jax.jit(self._decode_step, donate_argnames=("cache", "counts"),
-                                   static_argnames=("num_logprobs", "penalties"))
+                                   static_argnames=("num_logprobs", "penalties", "all_greedy"))
 
     def batch_bucket(self, n: int) -> int:
         """The padded batch for n sequences: a power of two, a multiple of dp."""
@@ -100,8 +100,10 @@ class Engine:
         return self._decode(self.microbatches(tokens.shape[0]))(state, tokens, positions, cache)
 
     # --- jitted steps: forward + sampling ---------------------------------------------------
-    def _sample(self, logits, tensors, steps, prompt_mask, counts, active, num_logprobs, penalties):
-        if penalties:
+    def _sample(self, logits, tensors, steps, prompt_mask, counts, active, num_logprobs, penalties, all_greedy):
+        if all_greedy and not penalties:
+            tokens, lp = sampling.greedy(logits, num_logprobs=num_logprobs)
+        elif penalties:
             tokens, lp = sampling.sample(logits, tensors, steps, prompt_mask, counts, num_logprobs=num_logprobs)
             counts = sampling.update_output_counts(counts, tokens, active)
         else:
@@ -109,19 +111,19 @@ class Engine:
         return tokens, lp, counts
 
     def _prefill_step(self, state, ids, lengths, cache, tensors, prompt_mask, counts, active, *,
-                      num_logprobs, penalties):
+                      num_logprobs, penalties, all_greedy):
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
         logits, cache = self._prefill(self.microbatches(ids.shape[0]))(state, ids, positions, lengths, cache)
         steps = jnp.zeros(ids.shape[:1], jnp.int32)
         tokens, lp, counts = self._sample(logits, tensors, steps, prompt_mask, counts, active, num_logprobs,
-                                          penalties)
+                                          penalties, all_greedy)
         return tokens, lp, cache, counts
 
     def _decode_step(self, state, tokens, positions, steps, cache, tensors, prompt_mask, counts, active, *,
-                     num_logprobs, penalties):
+                     num_logprobs, penalties, all_greedy):
         logits, cache = self._decode(self.microbatches(tokens.shape[0]))(state, tokens, positions, cache)
         tokens, lp, counts = self._sample(logits, tensors, steps, prompt_mask, counts, active, num_logprobs,
-                                          penalties)
+                                          penalties, all_greedy)
         return tokens, lp, cache, counts
 
     # --- the host loop ------------------------------------------------------------------------
@@ -167,6 +169,7 @@ class _Run:
         self.generated: list[list[int]] = [[] for _ in range(n)]
         self.done = [False] * n
         self.num_logprobs = max((p.logprobs or 0) for p in params)
+        self.all_greedy = all(p.greedy for p in params)
         self.penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
                              for p in params)
 
@@ -194,7 +197,8 @@ class _Run:
         cache = new_cache(shape, e.mesh)
         tokens, lp, cache, self.counts = e.prefill_step(
             e.state, self.put(ids), self.put(lengths), cache, self.tensors, self.prompt_mask, self.counts,
-            self.put(self.active_mask()), num_logprobs=self.num_logprobs, penalties=self.penalties)
+            self.put(self.active_mask()), num_logprobs=self.num_logprobs, penalties=self.penalties,
+                all_greedy=self.all_greedy)
         self.cache = cache
         yield self.collect(tokens, lp)
         while not all(self.done):
@@ -210,7 +214,8 @@ class _Run:
             tokens, lp, self.cache, self.counts = e.decode_step(
                 e.state, self.put(last), self.put(pos), self.put(steps), self.cache, self.tensors,
                 self.prompt_mask, self.counts, self.put(self.active_mask()),
-                num_logprobs=self.num_logprobs, penalties=self.penalties)
+                num_logprobs=self.num_logprobs, penalties=self.penalties,
+                all_greedy=self.all_greedy)
             e.stats["decode_steps"] += 1
             yield self.collect(tokens, lp)
 

@@ -246,6 +246,14 @@ def sample(logits: jax.Array, tensors: SamplingTensors, step: int | jax.Array = 
     return tokens, _logprobs(raw, tokens, num_logprobs)
 
 
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def greedy(logits: jax.Array, num_logprobs: int = 0) -> tuple[jax.Array, TokenLogprobs]:
+    """`sample` for a batch whose rows are all greedy and unpenalized: argmax, no PRNG, no sort."""
+    logits = mask_padding(logits)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return tokens, _logprobs(jax.nn.log_softmax(logits, axis=-1), tokens, num_logprobs)
+
+
 def _logprobs(raw: jax.Array, tokens: jax.Array, n: int) -> TokenLogprobs:
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     if n == 0:

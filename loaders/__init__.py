@@ -1,1 +1,1 @@
-"""Weight loaders: safetensors and GGUF readers, HF name tables (installed as tp_jax.loaders)."""
+"""Weight loaders: safetensors, GGUF and Orbax readers, HF name tables (installed as tp_jax.loaders)."""

@@ -1,4 +1,5 @@
-"""GGUF -> Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer files).
+"""GGUF -> Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer files);
+the config and tokenizer files of any source (used by the Orbax converter too).
 
 The safetensors file is written one tensor at a time (header first, then each tensor's
 bytes), so memory stays near one dequantized tensor whatever the model size.
@@ -28,12 +29,45 @@ def convert_gguf(in_path: str, out_dir: str, dtype: str = "float32") -> None:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     source = GGUFSource(in_path)
     os.makedirs(out_dir, exist_ok=True)
-    config = source.hf_config()
-    config.dtype = dtype
-    config.save_pretrained(out_dir)
-    _save_generation_config(config, out_dir)
+    write_config_and_tokenizer(in_path, out_dir, dtype)
     write_safetensors(source, os.path.join(out_dir, "model.safetensors"), DTYPES[dtype])
-    load_gguf_tokenizer(in_path).save_pretrained(out_dir)
+
+
+def write_config_and_tokenizer(src: str, out_dir: str, dtype: str | None = None) -> None:
+    """config.json, generation_config.json and tokenizer files of `src` into `out_dir`.
+
+    A `.gguf` file's are built from its metadata; a model directory's are copied (every file
+    but the weights). `dtype`, when given, is recorded in config.json.
+    """
+    if os.path.isfile(src) and src.endswith(".gguf"):
+        config = GGUFSource(src).hf_config()
+        config.dtype = dtype or "float32"
+        config.save_pretrained(out_dir)
+        _save_generation_config(config, out_dir)
+        load_gguf_tokenizer(src).save_pretrained(out_dir)
+        return
+    _copy_metadata_files(src, out_dir)
+    if dtype is not None:
+        path = os.path.join(out_dir, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config["dtype"] = dtype
+        config.pop("torch_dtype", None)
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".gguf")
+
+
+def _copy_metadata_files(src_dir: str, out_dir: str) -> None:
+    import shutil
+    if not os.path.isfile(os.path.join(src_dir, "config.json")):
+        raise FileNotFoundError(f"no config.json in {src_dir!r}; a model directory needs one")
+    for name in os.listdir(src_dir):
+        path = os.path.join(src_dir, name)
+        if os.path.isfile(path) and not name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(path, os.path.join(out_dir, name))
 
 
 def _save_generation_config(config, out_dir: str) -> None:

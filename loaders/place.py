@@ -110,8 +110,10 @@ def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map
         layers = [layer_map[j] for j in range(*index[0].indices(shape[0]))]
         return np.stack([one(rank, layer) if layer >= 0 else np.zeros(local[1:], dtype) for layer in layers])
 
-    # dtype: a process holding none of the mesh's devices calls no callback, so cannot infer it
-    return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), block, dtype=dtype)
+    sharding = NamedSharding(mesh, spec)
+    if not sharding.addressable_devices:      # a process outside the mesh reads nothing (JAX would still
+        return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)  # read replicated ones)
+    return jax.make_array_from_callback(shape, sharding, block)
 
 
 def load_state(model: nnx.Module, mesh: Mesh, source, table: Sequence[Entry], num_layers: int, dtype,

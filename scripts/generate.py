@@ -18,7 +18,14 @@ def parse_args(argv=None):
     ap.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tp")
     ap.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1, dest="pp")
     ap.add_argument("--data-parallel-size", "--dp", type=int, default=1, dest="dp")
-    ap.add_argument("--simulate-devices", type=int, default=0, help="N simulated CPU devices (0: real devices)")
+    ap.add_argument("--simulate-devices", type=int, default=0,
+                    help="N simulated CPU devices (per process; 0: real devices)")
+    ap.add_argument("--coordinator-address", default=None,
+                    help="many hosts: host:port of process 0 (or env JAX_COORDINATOR_ADDRESS); docs/multihost.md")
+    ap.add_argument("--num-processes", type=int, default=None, help="many hosts: processes in the job "
+                    "(or env JAX_NUM_PROCESSES)")
+    ap.add_argument("--process-id", type=int, default=None, help="many hosts: this process, 0..N-1; 0 prints "
+                    "the outputs (or env JAX_PROCESS_ID)")
     ap.add_argument("--prompt", action="append", default=[], help="repeatable")
     ap.add_argument("--prompts-file", help="one prompt per line")
     ap.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -61,9 +68,8 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    if args.simulate_devices:
-        from tp_jax.devices import simulate_cpu_devices
-        simulate_cpu_devices(args.simulate_devices)
+    from tp_jax.distributed import initialize, is_driver
+    initialize(args.coordinator_address, args.num_processes, args.process_id, simulate_devices=args.simulate_devices)
     from tp_jax import LLM, SamplingParams
     from tp_jax.stats import CompileClock, GenerationStats, timed
 
@@ -76,7 +82,7 @@ def run(args) -> int:
     stats = GenerationStats()
     t = time.perf_counter()
     llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
-              dtype=args.dtype, max_model_len=args.max_model_len)
+              dtype=args.dtype, max_model_len=args.max_model_len, progress=is_driver())
     stats.load_s = time.perf_counter() - t
     prompts = read_prompts(args)
     if args.chat:
@@ -94,7 +100,8 @@ def run(args) -> int:
                               "finish_reason": o.finish_reason, "logprobs": o.logprobs}))
         elif not args.stream:
             print(f"--- prompt {i}: {read_prompts(args)[i]!r}\n{o.text}")
-    print(stats.line(), file=sys.stderr if args.json else sys.stdout)
+    if is_driver():
+        print(stats.line(), file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

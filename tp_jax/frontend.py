@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from tp_jax.distributed import is_driver, share_request
 from tp_jax.outputs import CompletionOutput, RequestOutput, StreamEvent
 from tp_jax.sampling import SamplingParams
 
@@ -26,6 +27,8 @@ def normalize_prompts(prompts) -> list:
 class Generation:
     def __init__(self, llm, prompts, sampling_params):
         self.llm = llm
+        prompts, sampling_params = share_request(prompts, sampling_params)   # process 0's, on all
+        self.driver = is_driver()
         raw = normalize_prompts(prompts)
         if not raw:
             raise ValueError("generate: no prompts given")
@@ -103,9 +106,13 @@ class Generation:
                     delta = ""
                 else:
                     delta, self.sent[i] = text[len(self.sent[i]):], text
-                yield StreamEvent(i, ev.token, delta, finished, ev.finish_reason)
+                if self.driver:                  # the others run the same steps, silently
+                    yield StreamEvent(i, ev.token, delta, finished, ev.finish_reason)
 
     def outputs(self) -> list[RequestOutput]:
+        """The outputs on process 0 (the driver); [] on the other processes."""
+        if not self.driver:
+            return []
         outs = []
         for i, ids in enumerate(self.ids):
             p = self.params[i]

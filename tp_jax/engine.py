@@ -124,7 +124,7 @@ class Engine:
         logits, cache = self._decode(self.microbatches(tokens.shape[0]))(state, tokens, positions, cache)
         tokens, lp, counts = self._sample(logits, tensors, steps, prompt_mask, counts, active, num_logprobs,
                                           penalties, all_greedy)
-        return tokens, lp, cache, counts
+        return tokens, lp, cache, counts, positions + 1, steps + 1    # the next step's inputs stay on device
 
     # --- the host loop ------------------------------------------------------------------------
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -170,6 +170,7 @@ class _Run:
         self.done = [False] * n
         self.num_logprobs = max((p.logprobs or 0) for p in params)
         self.all_greedy = all(p.greedy for p in params)
+        self._active = None
         self.penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
                              for p in params)
 
@@ -198,26 +199,27 @@ class _Run:
         tokens, lp, cache, self.counts = e.prefill_step(
             e.state, self.put(ids), self.put(lengths), cache, self.tensors, self.prompt_mask, self.counts,
             self.put(self.active_mask()), num_logprobs=self.num_logprobs, penalties=self.penalties,
-                all_greedy=self.all_greedy)
+            all_greedy=self.all_greedy)
         self.cache = cache
+        # decode inputs live on device: the last token, its position and the output step, per row
+        self.inputs = (tokens, self.put(lengths), self.put(np.ones(self.batch, np.int32)))
         yield self.collect(tokens, lp)
         while not all(self.done):
             self.maybe_compact()
-            last = np.zeros(self.batch, np.int32)
-            pos = np.zeros(self.batch, np.int32)
-            steps = np.zeros(self.batch, np.int32)
-            for r, s in enumerate(self.rows):
-                if s >= 0:
-                    last[r] = self.generated[s][-1]
-                    steps[r] = len(self.generated[s])
-                    pos[r] = self.lengths[s] + steps[r] - 1
-            tokens, lp, self.cache, self.counts = e.decode_step(
-                e.state, self.put(last), self.put(pos), self.put(steps), self.cache, self.tensors,
-                self.prompt_mask, self.counts, self.put(self.active_mask()),
-                num_logprobs=self.num_logprobs, penalties=self.penalties,
+            tokens, lp, self.cache, self.counts, pos, steps = e.decode_step(
+                e.state, *self.inputs, self.cache, self.tensors, self.prompt_mask, self.counts,
+                self.active_device(), num_logprobs=self.num_logprobs, penalties=self.penalties,
                 all_greedy=self.all_greedy)
+            self.inputs = (tokens, pos, steps)
             e.stats["decode_steps"] += 1
             yield self.collect(tokens, lp)
+
+    def active_device(self) -> jax.Array:
+        """The running-rows mask on device, sent again only when a sequence has finished."""
+        mask = self.active_mask()
+        if self._active is None or not np.array_equal(mask, self._active[0]):
+            self._active = (mask, self.put(mask))
+        return self._active[1]
 
     def active_mask(self) -> np.ndarray:
         return np.array([s >= 0 and not self.done[s] for s in self.rows])
@@ -263,6 +265,7 @@ class _Run:
         self.cache = tuple(self.put(_take(c, idx, 1), CACHE_SPEC) for c in self.cache)
         self.tensors = jax.tree.map(lambda x: self.put(_take(x, idx, 0)), self.tensors)
         self.prompt_mask, self.counts = (self.put(_take(x, idx, 0)) for x in (self.prompt_mask, self.counts))
+        self.inputs = tuple(self.put(_take(x, idx, 0)) for x in self.inputs)
         self.rows = [self.rows[r] if r in live else -1 for r in keep]
         self.batch = new_batch
         self.e.stats["compactions"] += 1

@@ -78,3 +78,34 @@ def test_default_model_and_chat(smollm2_path):
                    SamplingParams(max_tokens=24, temperature=0.0))[0].outputs[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2          # ended by <|im_end|>
+
+
+def test_cached_decode_matches_full_forward(smollm2_path, tok):
+    """Each generated token's logprob (prefill + cached decode) == log_softmax of the uncached forward."""
+    llm = LLM(smollm2_path, tensor_parallel_size=4, progress=False)
+    ids = tok.encode(GREEDY_PROMPTS[0])
+    out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1))[0]
+    toks = out.outputs[0].token_ids
+    full = llm.get_logits([ids + toks[:-1]])[0, len(ids) - 1:].astype(np.float64)
+    ref = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1, keepdims=True)
+    got = np.array([lp[t] for t, lp in zip(toks, out.outputs[0].logprobs)])
+    assert np.abs(got - ref[np.arange(len(toks)), toks]).max() <= 1e-4
+    assert toks == [int(t) for t in full.argmax(-1)]
+
+
+def test_readme_run_command(smollm2_hf, tok):
+    """`make generate` runs this: SmolLM2 at tp = 8 on 8 simulated devices, greedy, 32 tokens."""
+    import os
+    import subprocess
+    import sys
+    import torch
+    ids = tok.encode("Once upon a time")
+    with torch.no_grad():
+        ref = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=2)
+    expected = tok.decode(ref[0, len(ids):], skip_special_tokens=True)
+    r = subprocess.run([sys.executable, "scripts/generate.py", "--simulate-devices", "8", "--tp", "8", "--prompt",
+                        "Once upon a time", "--max-tokens", "32"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert expected.strip() in r.stdout
+    assert "time to first token" in r.stdout and "tokens/s" in r.stdout

@@ -17,6 +17,8 @@ VARIANTS = {
                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                         "original_max_position_embeddings": 64}),
+    "linearrope": dict(num_attention_heads=4, num_key_value_heads=2,
+                       rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
     "bias": dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True),
     "bf16sharded": dict(num_attention_heads=8, num_key_value_heads=2),
 }

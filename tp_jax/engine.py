@@ -61,7 +61,7 @@ class Engine:
         graphdef, self.state = nnx.split(model)
         self.dtype = model.model.embed_tokens.embedding.get_value().dtype
         specs = nnx.get_partition_spec(self.state)
-        self.stats = {"decode_steps": 0, "compactions": 0}
+        self.stats = {"decode_steps": 0, "compactions": 0, "kv_cache_bytes_per_device": 0}
 
         def prefill(state, ids, positions, lengths, cache, microbatches):
             m = nnx.merge(graphdef, state)
@@ -196,6 +196,7 @@ class _Run:
         self.counts = self.put(np.zeros((self.batch, v if self.penalties else 1), np.int32))
         shape = cache_shape(e.cfg, e.mesh.shape[TP], self.batch, self.max_len, e.dtype, e.mesh.shape[PP])
         cache = new_cache(shape, e.mesh)
+        e.stats["kv_cache_bytes_per_device"] = shape.bytes_per_device(e.mesh)
         tokens, lp, cache, self.counts = e.prefill_step(
             e.state, self.put(ids), self.put(lengths), cache, self.tensors, self.prompt_mask, self.counts,
             self.put(self.active_mask()), num_logprobs=self.num_logprobs, penalties=self.penalties,

@@ -39,6 +39,7 @@ class GenerationStats:
     ttft_s: float = 0.0                 # wall time to the first token (prefill, compile included)
     decode_s: float = 0.0               # wall time after the first token, compile excluded
     decode_tokens: int = 0
+    kv_cache_bytes_per_device: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -47,7 +48,7 @@ class GenerationStats:
     def line(self) -> str:
         return (f"load {self.load_s:.2f} s | compile {self.compile_s:.2f} s | time to first token "
                 f"{self.ttft_s:.3f} s | decode {self.decode_tokens_per_s:.1f} tokens/s "
-                f"({self.decode_tokens} tokens)")
+                f"({self.decode_tokens} tokens) | KV cache {self.kv_cache_bytes_per_device / 2**20:.1f} MiB/device")
 
 
 def timed(events, stats: GenerationStats):

@@ -32,10 +32,8 @@ WINDOW = 8
 # the 13-token prompt is longer than Mistral's window; 5 + 12 generated tokens cross it in cached decode
 PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [5, 17, 300, 42, 9], [999, 3]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-# Generation compiles a prefill and a decode step (~10 s of CPU each run), so each model generates at one
-# tp > 1, together covering 2, 4 and 8, and Mistral's cached sliding window also at tp = 1; logits are
-# compared at every tp.
-GENERATE_AT = {"qwen2": (2,), "qwen3": (4,), "mistral": (1, 8)}
+# Greedy generation (prefill + cached decode, Mistral's window included) is checked at every tp.
+GENERATE_AT = {"qwen2": (1, 2, 4, 8), "qwen3": (1, 2, 4, 8), "mistral": (1, 2, 4, 8)}
 
 
 def hf_config(name: str):

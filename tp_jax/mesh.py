@@ -61,7 +61,3 @@ def _devices_per_process(grid: np.ndarray) -> int:
     for d in grid.flat:
         counts[d.process_index] = counts.get(d.process_index, 0) + 1
     return min(counts.values())
-
-
-def axis_size(mesh: Mesh, name: str) -> int:
-    return int(mesh.shape[name])

@@ -90,7 +90,7 @@ def run(args) -> int:
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                      tokenize=False), add_special_tokens=False) for p in prompts]
     gen = llm.start(prompts, params)
-    for ev in timed(gen.events(), stats):
+    for ev in timed(gen.events(with_text=args.stream and not args.json), stats):
         if args.stream and not args.json:
             print(ev.text, end="\n" if ev.finished else "", flush=True)
     for i, out in enumerate(gen.outputs()):

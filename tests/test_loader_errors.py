@@ -113,3 +113,8 @@ def test_unsupported_run_dtype(good):
 def test_too_many_devices(good):
     with pytest.raises(ValueError, match=r"= 16 devices, but only 8 cpu device\(s\)"):
         LLM(good, tensor_parallel_size=16, progress=False)
+
+
+def test_max_model_len_beyond_the_model(good):
+    with pytest.raises(ValueError, match=r"max_model_len=4096 must be in \[1, 128\]"):
+        LLM(good, max_model_len=4096, progress=False)

@@ -113,7 +113,7 @@ class Engine:
     def _prefill_step(self, state, ids, lengths, cache, tensors, prompt_mask, counts, active, *,
                       num_logprobs, penalties, all_greedy):
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-        logits, cache = self._prefill(self.microbatches(ids.shape[0]))(state, ids, positions, lengths, cache)
+        logits, cache = self.prefill_logits(state, ids, positions, lengths, cache)
         steps = jnp.zeros(ids.shape[:1], jnp.int32)
         tokens, lp, counts = self._sample(logits, tensors, steps, prompt_mask, counts, active, num_logprobs,
                                           penalties, all_greedy)
@@ -121,7 +121,7 @@ class Engine:
 
     def _decode_step(self, state, tokens, positions, steps, cache, tensors, prompt_mask, counts, active, *,
                      num_logprobs, penalties, all_greedy):
-        logits, cache = self._decode(self.microbatches(tokens.shape[0]))(state, tokens, positions, cache)
+        logits, cache = self.decode_logits(state, tokens, positions, cache)
         tokens, lp, counts = self._sample(logits, tensors, steps, prompt_mask, counts, active, num_logprobs,
                                           penalties, all_greedy)
         return tokens, lp, cache, counts, positions + 1, steps + 1    # the next step's inputs stay on device

@@ -91,7 +91,8 @@ class Generation:
         self.stop_at[i] = pos + len(s) if p.include_stop_str_in_output else pos
         return s
 
-    def events(self) -> Iterator[StreamEvent]:
+    def events(self, with_text: bool = True) -> Iterator[StreamEvent]:
+        """A StreamEvent per token; `with_text=False` skips the per-token detokenizing (text = "")."""
         for step in self.llm.engine.run(self.ids, self.params, self.should_stop):
             for ev in step:
                 i = ev.index
@@ -100,14 +101,18 @@ class Generation:
                 if self.params[i].logprobs is not None:
                     self.logprobs[i].append({ev.token: ev.logprob, **ev.top})
                 self.finish[i] = (ev.finish_reason, ev.stop_reason)
-                text = self._text(i)
                 finished = ev.finish_reason is not None
-                if text.endswith("\ufffd") and not finished:      # half a UTF-8 character: wait
-                    delta = ""
-                else:
-                    delta, self.sent[i] = text[len(self.sent[i]):], text
+                delta = self._delta(i, finished) if with_text else ""
                 if self.driver:                  # the others run the same steps, silently
                     yield StreamEvent(i, ev.token, delta, finished, ev.finish_reason)
+
+    def _delta(self, i: int, finished: bool) -> str:
+        """New text of request i since its previous event (held back mid UTF-8 character)."""
+        text = self._text(i)
+        if text.endswith("\ufffd") and not finished:
+            return ""
+        delta, self.sent[i] = text[len(self.sent[i]):], text
+        return delta
 
     def outputs(self) -> list[RequestOutput]:
         """The outputs on process 0 (the driver); [] on the other processes."""

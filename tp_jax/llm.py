@@ -12,8 +12,6 @@ The model is loaded once and each jitted program is compiled once per input shap
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,18 +55,16 @@ class LLM:
                                         dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed))
         self.mesh = build_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, devices)
         self.dtype = resolve_dtype(dtype)
-        t = time.perf_counter()
+        self.num_microbatches = pipeline_parallel_size if num_microbatches is None else num_microbatches
+        choose_microbatches(1, self.num_microbatches)              # bad values fail before the load
         source, self.config = open_checkpoint(self.model_path)
-        self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress)
-        self.load_seconds = time.perf_counter() - t
         limit = self.config.max_position_embeddings
         self.max_model_len = min(limit, 2048) if max_model_len is None else int(max_model_len)
         if not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, {limit}] "
                              f"(the model's max_position_embeddings)")
+        self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress)
         self.seed, self.max_num_seqs = seed, max_num_seqs
-        self.num_microbatches = pipeline_parallel_size if num_microbatches is None else num_microbatches
-        choose_microbatches(1, self.num_microbatches)
         self._forward = None
         self._engine = None
         self._tokenizer = None
@@ -143,7 +139,7 @@ class LLM:
     def generate(self, prompts, sampling_params=None) -> list:
         """prompts: a string, a list of strings, a token-id list, or a list of token-id lists."""
         gen = self.start(prompts, sampling_params)
-        for _ in gen.events():
+        for _ in gen.events(with_text=False):
             pass
         return gen.outputs()
 

@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 from tp_jax.loaders.names import table_for
 from tp_jax.loaders.place import fill, load_state
-from tp_jax.mesh import PP, TP
+from tp_jax.parallel.mesh import PP, TP
 from tp_jax.models.config import ModelConfig
 from tp_jax.models.registry import model_class
 

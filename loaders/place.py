@@ -18,9 +18,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from tp_jax.layers.loading import WeightShapeError
+from tp_jax.parallel.layers.loading import WeightShapeError
 from tp_jax.loaders.names import Entry
-from tp_jax.mesh import TP
+from tp_jax.parallel.mesh import TP
 
 
 class MissingWeightError(KeyError):

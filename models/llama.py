@@ -17,16 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tp_jax.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+from tp_jax.parallel.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                            VocabParallelEmbedding)
-from tp_jax.layers.loading import expand_heads
-from tp_jax.layers.norm import RMSNorm
+from tp_jax.parallel.layers.loading import expand_heads
+from tp_jax.parallel.layers.norm import RMSNorm
 from tp_jax.models.attention import attention, write_cache
 from tp_jax.models.config import ModelConfig
 from tp_jax.models.registry import register
 from tp_jax.models.rope import apply_rope, inv_freq
-from tp_jax.layers.stack import Stack
-from tp_jax.pipeline import run_pipeline, stage_layer_map
+from tp_jax.parallel.layers.stack import Stack
+from tp_jax.parallel.pipeline import run_pipeline, stage_layer_map
 
 Cache = tuple[jax.Array, jax.Array]          # k, v: [L, B, S, kv_local, hd] each
 

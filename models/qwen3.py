@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from tp_jax.layers.norm import RMSNorm
+from tp_jax.parallel.layers.norm import RMSNorm
 from tp_jax.models.config import ModelConfig
 from tp_jax.models.llama import LlamaAttention, LlamaForCausalLM, llama_model_with
 from tp_jax.models.registry import register

@@ -34,7 +34,7 @@ def time_call(fn, x, iters):
 def main():
     args = parse_args()
     if args.simulate_devices:
-        from tp_jax.devices import simulate_cpu_devices
+        from tp_jax.multihost.devices import simulate_cpu_devices
         simulate_cpu_devices(args.simulate_devices)
     import jax
     import jax.numpy as jnp

@@ -71,12 +71,12 @@ def theirs(model, ids, batch, n):
 def main():
     args = parse_args()
     if args.simulate_devices:
-        from tp_jax.devices import simulate_cpu_devices
+        from tp_jax.multihost.devices import simulate_cpu_devices
         simulate_cpu_devices(args.simulate_devices)
     import jax
     from flax import nnx
     from tp_jax import LLM
-    from tp_jax.pipeline import bubble_fraction
+    from tp_jax.parallel.pipeline import bubble_fraction
     llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp,
               pipeline_parallel_size=args.pp, num_microbatches=args.num_microbatches, progress=False)
     ids = llm.get_tokenizer().encode(args.prompt)

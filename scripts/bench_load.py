@@ -40,12 +40,12 @@ def cpu_s() -> float:
 
 def child_load(path: str, tp: int, devices: int) -> dict:
     if devices:
-        from tp_jax.devices import simulate_cpu_devices
+        from tp_jax.multihost.devices import simulate_cpu_devices
         simulate_cpu_devices(devices)
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from tp_jax.llm import LLM
+    from tp_jax.serving.llm import LLM
     jax.block_until_ready(jnp.ones(8))
     def load():
         t, cpu = time.perf_counter(), cpu_s()

@@ -6,7 +6,7 @@
 import argparse
 import json
 
-from tp_jax.devices import simulate_cpu_devices
+from tp_jax.multihost.devices import simulate_cpu_devices
 
 
 def main() -> None:

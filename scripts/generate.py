@@ -68,10 +68,10 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from tp_jax.distributed import initialize, is_driver
+    from tp_jax.multihost.distributed import initialize, is_driver
     initialize(args.coordinator_address, args.num_processes, args.process_id, simulate_devices=args.simulate_devices)
     from tp_jax import LLM, SamplingParams
-    from tp_jax.stats import CompileClock, GenerationStats, timed
+    from tp_jax.serving.stats import CompileClock, GenerationStats, timed
 
     CompileClock.start()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

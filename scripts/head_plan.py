@@ -5,7 +5,7 @@
 
 import argparse
 
-from tp_jax.heads import plan_tables
+from tp_jax.parallel.heads import plan_tables
 
 
 def main() -> None:

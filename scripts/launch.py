@@ -10,7 +10,7 @@ multi-host runs start one process per host by hand: see docs/multihost.md.
 import argparse
 import sys
 
-from tp_jax.launcher import launch
+from tp_jax.multihost.launcher import launch
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from tp_jax.mesh import make_mesh  # noqa: E402
+from tp_jax.parallel.mesh import make_mesh  # noqa: E402
 
 # (dp, pp, tp) shapes for layer tests: tp in {1, 2, 4, 8}, and tp = 3 on 6 devices (dp = 2).
 TP_MESHES = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 1, 3)]

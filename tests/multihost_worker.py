@@ -1,4 +1,4 @@
-"""One rank of the multi-process tests (started by tp_jax.launcher; see tests/test_multihost.py).
+"""One rank of the multi-process tests (started by tp_jax.multihost.launcher; see tests/test_multihost.py).
 
     multihost_worker.py MODEL REQUEST_JSON
 
@@ -15,15 +15,15 @@ import json
 import os
 import sys
 
-from tp_jax.distributed import initialize, is_driver
+from tp_jax.multihost.distributed import initialize, is_driver
 
 initialize()
 
 import jax  # noqa: E402
 
-from tp_jax.llm import LLM  # noqa: E402
+from tp_jax.serving.llm import LLM  # noqa: E402
 from tp_jax.loaders import safetensors as st  # noqa: E402
-from tp_jax.sampling import SamplingParams  # noqa: E402
+from tp_jax.serving.sampling import SamplingParams  # noqa: E402
 
 BYTES_READ, LAYERS_READ = [0], set()
 _getitem = st.SafetensorsTensor.__getitem__

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.hlo import count
-from tp_jax import collectives as C
+from tp_jax.parallel import collectives as C
 from tests.conftest import mesh_for
 
 

@@ -3,7 +3,7 @@
 import os
 import re
 
-from tp_jax.heads import plan_tables
+from tp_jax.parallel.heads import plan_tables
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
 

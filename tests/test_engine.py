@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import hf_greedy, make_checkpoint, make_tokenized_checkpoint
-from tp_jax.kv_cache import cache_shape, new_cache
-from tp_jax.llm import LLM
-from tp_jax.sampling import SamplingParams
+from tp_jax.serving.kv_cache import cache_shape, new_cache
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 PROMPTS = [[5, 17, 300, 42, 9], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [999, 3]]

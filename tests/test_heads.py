@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tp_jax.heads import plan_heads
+from tp_jax.parallel.heads import plan_heads
 
 
 def check_plan(heads, kv, tp):

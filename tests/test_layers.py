@@ -8,11 +8,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from tests.hlo import count
-from tp_jax.heads import plan_heads
-from tp_jax.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+from tp_jax.parallel.heads import plan_heads
+from tp_jax.parallel.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                            QKVParallelLinear, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding,
                            WeightShapeError)
-from tp_jax.shard import shard_module
+from tp_jax.parallel.shard import shard_module
 
 D, B = 16, 6          # hidden size, batch (a multiple of dp = 2)
 RTOL = ATOL = 2e-5

@@ -6,7 +6,7 @@ import pytest
 
 from tests.hlo import count, loop_bodies
 from tests.tiny_models import VARIANTS, hf_logits, make_checkpoint
-from tp_jax.llm import LLM
+from tp_jax.serving.llm import LLM
 
 TPS = [(1, 1), (2, 1), (4, 1), (8, 1), (3, 2)]          # (tp, dp); tp = 3 runs on 6 devices
 WORST = {}                                             # variant -> worst max-abs diff seen

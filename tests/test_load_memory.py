@@ -20,11 +20,11 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size
 
 CHILD = r"""
 import json, resource, sys
-from tp_jax.devices import simulate_cpu_devices
+from tp_jax.multihost.devices import simulate_cpu_devices
 simulate_cpu_devices(8)
 import jax, jax.numpy as jnp
 from tp_jax.loaders.model import load_from_source, open_checkpoint
-from tp_jax.mesh import make_mesh
+from tp_jax.parallel.mesh import make_mesh
 
 def rss(key):
     for line in open("/proc/self/status"):

@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests.tiny_models import make_checkpoint
-from tp_jax.layers.loading import WeightShapeError
-from tp_jax.llm import LLM
+from tp_jax.parallel.layers.loading import WeightShapeError
+from tp_jax.serving.llm import LLM
 from tp_jax.loaders.place import MissingWeightError
 from tp_jax.loaders.safetensors import CheckpointError
 from tp_jax.models.config import UnsupportedConfigError

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from tp_jax.mesh import AXES, check_tp_groups, make_mesh
+from tp_jax.parallel.mesh import AXES, check_tp_groups, make_mesh
 
 
 def test_eight_devices_tp_innermost():

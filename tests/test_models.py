@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import randomize
-from tp_jax.llm import LLM
+from tp_jax.serving.llm import LLM
 from tp_jax.models.config import UnsupportedConfigError, config_from_hf
-from tp_jax.sampling import SamplingParams
+from tp_jax.serving.sampling import SamplingParams
 
 MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")
 BASE = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, rms_norm_eps=1e-5,
@@ -146,9 +146,9 @@ def test_real_size_param_count_at_tp8(name):
     import torch
     import transformers
     from tests.test_real_configs import per_device_bytes
-    from tp_jax.heads import plan_heads
+    from tp_jax.parallel.heads import plan_heads
     from tp_jax.loaders.model import abstract_model
-    from tp_jax.mesh import make_mesh
+    from tp_jax.parallel.mesh import make_mesh
     cls, fields = REAL[name]
     hf = getattr(transformers, cls)(**fields, architectures=[cls.replace("Config", "ForCausalLM")])
     with torch.device("meta"):
@@ -166,7 +166,7 @@ def test_real_size_param_count_at_tp8(name):
 
 # --- model files depend on tp_jax's layers only ----------------------------------------------
 
-FORBIDDEN = ("tp_jax.loaders", "tp_jax.engine", "tp_jax.llm")
+FORBIDDEN = ("tp_jax.loaders", "tp_jax.serving.engine", "tp_jax.serving.llm")
 
 
 def _imports(path: str) -> list[str]:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import hf_greedy, make_checkpoint
-from tp_jax.launcher import free_port, launch
+from tp_jax.multihost.launcher import free_port, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "scripts", "launch.py")
@@ -60,8 +60,8 @@ def count_reads(monkeypatch) -> list:
 
 
 def one_process_refs(path: str) -> dict:
-    from tp_jax.llm import LLM
-    from tp_jax.sampling import SamplingParams
+    from tp_jax.serving.llm import LLM
+    from tp_jax.serving.sampling import SamplingParams
     ref = {"hf": [hf_greedy(path, p, 12) for p in PROMPTS]}
     with pytest.MonkeyPatch.context() as mp:
         reads = count_reads(mp)
@@ -210,8 +210,8 @@ def test_mismatched_process_counts_fail_fast_with_a_clear_error():
 
 @pytest.mark.slow
 def test_smollm2_tp4_on_two_processes_equals_one_process(smollm2_path):
-    from tp_jax.llm import LLM
-    from tp_jax.sampling import SamplingParams
+    from tp_jax.serving.llm import LLM
+    from tp_jax.serving.sampling import SamplingParams
     prompt = "Once upon a time"
     proc = start(launch_cmd(GENERATE, "--tp", "4", "--prompt", prompt, "--max-tokens", "8", "--json"))
     try:
@@ -227,7 +227,7 @@ def test_smollm2_tp4_on_two_processes_equals_one_process(smollm2_path):
 
 
 def test_resolve_takes_flags_then_env_then_cluster():
-    from tp_jax.distributed import DistributedError, resolve
+    from tp_jax.multihost.distributed import DistributedError, resolve
     env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
     assert resolve(environ={}) is None and resolve(num_processes=1, environ={}) is None      # one process
     assert resolve(environ=env) == dict(coordinator_address="h:1", num_processes=2, process_id=1)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import make_checkpoint
-from tp_jax.layers.loading import WeightShapeError
-from tp_jax.llm import LLM
+from tp_jax.parallel.layers.loading import WeightShapeError
+from tp_jax.serving.llm import LLM
 from tp_jax.loaders.orbax import (ORBAX_SUBDIR, OrbaxCheckpointError, OrbaxSource, chunk_shape, convert_to_orbax,
                                   write_orbax)
 from tp_jax.loaders.place import MissingWeightError
@@ -169,7 +169,7 @@ def smollm2_orbax(smollm2_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2_ids(smollm2_orbax):
-    from tp_jax.tokenizer import load_tokenizer
+    from tp_jax.serving.tokenizer import load_tokenizer
     ids = load_tokenizer(smollm2_orbax).encode("The history of the printing press begins in the fifteenth century")
     return np.array([ids])
 

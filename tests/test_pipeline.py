@@ -8,9 +8,9 @@ import pytest
 
 from tests.hlo import count, loop_bodies
 from tests.tiny_models import hf_greedy, hf_logits, make_checkpoint
-from tp_jax.llm import LLM
-from tp_jax.pipeline import bubble_fraction, choose_microbatches, stage_layer_map
-from tp_jax.sampling import SamplingParams
+from tp_jax.serving.llm import LLM
+from tp_jax.parallel.pipeline import bubble_fraction, choose_microbatches, stage_layer_map
+from tp_jax.serving.sampling import SamplingParams
 
 MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2),
           (4, 2, 1), (8, 1, 1)]
@@ -91,7 +91,7 @@ def test_bad_input(deep):
 @pytest.mark.parametrize("dp,pp,tp", [(1, 2, 4), (2, 2, 2), (1, 4, 2)], ids=lambda v: str(v))
 def test_smollm2(smollm2_path, smollm2_hf, dp, pp, tp):
     import torch
-    from tp_jax.tokenizer import load_tokenizer
+    from tp_jax.serving.tokenizer import load_tokenizer
     tok = load_tokenizer(smollm2_path)
     ids = tok.encode("The quick brown fox jumps over the lazy dog because it wanted to see the river.")
     with torch.no_grad():

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from tp_jax.loaders.model import abstract_model
-from tp_jax.mesh import make_mesh
+from tp_jax.parallel.mesh import make_mesh
 from tp_jax.models.config import config_from_hf
 
 LLAMA3 = dict(vocab_size=128256, rms_norm_eps=1e-5, max_position_embeddings=8192, architectures=["LlamaForCausalLM"],

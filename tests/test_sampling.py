@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tp_jax.sampling import (SamplingParams, SamplingTensors, apply_penalties, process_logits,
+from tp_jax.serving.sampling import (SamplingParams, SamplingTensors, apply_penalties, process_logits,
                              prompt_mask_from_ids, sample, update_output_counts)
 
 F32_MIN = np.finfo(np.float32).min
@@ -221,7 +221,7 @@ def test_tiny_temperature_is_argmax(temperature):
 
 
 def test_greedy_fast_path_equals_sample():
-    from tp_jax.sampling import greedy, sample
+    from tp_jax.serving.sampling import greedy, sample
     rng = np.random.default_rng(5)
     logits = rng.standard_normal((3, 64)).astype(np.float32)
     logits[:, 60:] = F32_MIN

@@ -4,8 +4,8 @@ against transformers on the same weights, at tp in {1, 2, 3, 4, 8}."""
 import numpy as np
 import pytest
 
-from tp_jax.llm import LLM
-from tp_jax.sampling import SamplingParams
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ LIMIT = 1e-3
 
 @pytest.fixture(scope="module")
 def tok(smollm2_path):
-    from tp_jax.tokenizer import load_tokenizer
+    from tp_jax.serving.tokenizer import load_tokenizer
     return load_tokenizer(smollm2_path)
 
 

@@ -90,7 +90,7 @@ def make_tokenized_checkpoint(root: str, gguf_path: str) -> str:
     """A tiny random Llama with SmolLM2's real tokenizer (vocab 49152), for text-level tests."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from tp_jax.tokenizer import load_tokenizer
+    from tp_jax.serving.tokenizer import load_tokenizer
     path = os.path.join(root, "tokenized")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path

@@ -10,33 +10,33 @@ Two ways in:
 """
 
 # --- mesh and collectives -------------------------------------------------------------
-from tp_jax.mesh import AXES, DP, PP, TP, make_mesh
-from tp_jax.collectives import (all_gather, all_reduce, broadcast, reduce_scatter, send_to_next,
+from tp_jax.parallel.mesh import AXES, DP, PP, TP, make_mesh
+from tp_jax.parallel.collectives import (all_gather, all_reduce, broadcast, reduce_scatter, send_to_next,
                                 send_to_prev, set_all_reduce_thresholds)
 # --- head planning and parallel layers ---------------------------------------------------
-from tp_jax.heads import HeadPlan, plan_heads
-from tp_jax.layers import (ColumnParallelLinear, LazyTensor, MergedColumnParallelLinear,
+from tp_jax.parallel.heads import HeadPlan, plan_heads
+from tp_jax.parallel.layers import (ColumnParallelLinear, LazyTensor, MergedColumnParallelLinear,
                            ParallelLMHead, ParallelModule, PartRows, QKVParallelLinear,
                            ReplicatedLinear, RowParallelLinear, ShardedParam, VocabParallelEmbedding,
                            WeightShapeError, padded_vocab_size)
-from tp_jax.layers.norm import RMSNorm
+from tp_jax.parallel.layers.norm import RMSNorm
 # --- running a module under shard_map -------------------------------------------------
-from tp_jax.shard import param_specs, place, shard_module
+from tp_jax.parallel.shard import param_specs, place, shard_module
 # --- loading a checkpoint per device: your name table + the loader ------------------------
 from tp_jax.loaders.names import Entry
 from tp_jax.loaders.place import MissingWeightError, bind, fill, load_state
 # --- simulated CPU devices (call before jax starts) -------------------------------------
-from tp_jax.devices import simulate_cpu_devices
+from tp_jax.multihost.devices import simulate_cpu_devices
 
 # --- the front door (imported on first use: it pulls in transformers) --------------------
 
 
 def __getattr__(name):
     if name == "LLM":
-        from tp_jax.llm import LLM
+        from tp_jax.serving.llm import LLM
         return LLM
     if name in ("SamplingParams",):
-        from tp_jax.sampling import SamplingParams
+        from tp_jax.serving.sampling import SamplingParams
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput", "StreamEvent"):
         from tp_jax import outputs

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tp_jax.heads import plan_heads
-from tp_jax.mesh import DP, PP, TP
-from tp_jax.pipeline import padded_layers
+from tp_jax.parallel.heads import plan_heads
+from tp_jax.parallel.mesh import DP, PP, TP
+from tp_jax.parallel.pipeline import padded_layers
 
 CACHE_SPEC = P(PP, DP, None, TP, None)
 
@@ -44,7 +44,7 @@ class CacheShape:
 
 
 def cache_shape(cfg, tp: int, batch: int, max_len: int, dtype, pp: int = 1) -> CacheShape:
-    """Layers padded for pp exactly like the model's stacked params (tp_jax.pipeline)."""
+    """Layers padded for pp exactly like the model's stacked params (tp_jax.parallel.pipeline)."""
     plan = plan_heads(cfg.num_heads, cfg.num_kv_heads, tp)
     return CacheShape(padded_layers(cfg.num_layers, pp), batch, max_len, plan.padded_kv_heads, cfg.head_dim,
                       np.dtype(dtype))

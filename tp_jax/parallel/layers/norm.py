@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tp_jax.layers.base import ParallelModule, check_tp_size
-from tp_jax.layers.loading import PartRows, ShardedParam, replicated_rows
+from tp_jax.parallel.layers.base import ParallelModule, check_tp_size
+from tp_jax.parallel.layers.loading import PartRows, ShardedParam, replicated_rows
 
 
 class RMSNorm(ParallelModule):

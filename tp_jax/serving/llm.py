@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tp_jax.distributed import agree, share_from_driver, to_global, to_host
-from tp_jax.mesh import DP, make_mesh
-from tp_jax.pipeline import choose_microbatches
+from tp_jax.multihost.distributed import agree, share_from_driver, to_global, to_host
+from tp_jax.parallel.mesh import DP, make_mesh
+from tp_jax.parallel.pipeline import choose_microbatches
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -75,7 +75,7 @@ class LLM:
 
     def _logits_fn(self):
         if self._forward is None:
-            from tp_jax.shard import shard_module
+            from tp_jax.parallel.shard import shard_module
             self._forward = shard_module(self.model, self.mesh, in_specs=(jax.P(DP), jax.P(DP)),
                                          out_specs=jax.P(DP), method=self._full_forward)
         return self._forward
@@ -107,7 +107,7 @@ class LLM:
     @property
     def engine(self):
         if self._engine is None:
-            from tp_jax.engine import Engine
+            from tp_jax.serving.engine import Engine
             self._engine = Engine(self.model, self.mesh, self.max_model_len, self.eos_token_ids(),
                                   self.max_num_seqs, self.seed, self.num_microbatches)
         return self._engine
@@ -121,7 +121,7 @@ class LLM:
 
     def _tokenizer_or_none(self):
         if self._tokenizer is None:
-            from tp_jax.tokenizer import load_tokenizer
+            from tp_jax.serving.tokenizer import load_tokenizer
             self._tokenizer = load_tokenizer(self.model_path) or False
         return self._tokenizer or None
 
@@ -133,7 +133,7 @@ class LLM:
 
     def start(self, prompts, sampling_params=None):
         """A Generation: iterate `.events()` (StreamEvents as tokens are sampled), then `.outputs()`."""
-        from tp_jax.frontend import Generation
+        from tp_jax.serving.frontend import Generation
         return Generation(self, prompts, sampling_params)
 
     def generate(self, prompts, sampling_params=None) -> list:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tp_jax.layers.loading import LazyTensor, ShardedParam
+from tp_jax.parallel.layers.loading import LazyTensor, ShardedParam
 
 Spec = tuple[str | None, ...]
 

@@ -3,8 +3,8 @@
 * `initialize(...)`: `jax.distributed.initialize` from flags, the environment
   (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) or, on a SLURM / Open MPI
   cluster, JAX's auto-detection; with bounded waits and errors that name the fix.
-* `share_from_driver`, `share_request`: process 0's request (prompts, sampling params, seeds)
-  as JSON bytes broadcast to every process, so all build the same batch.
+* `share_from_driver`: a JSON-able value computed on process 0, broadcast to every process
+  (the front door sends its request this way), so all build the same batch.
 * `agree(what, values)`: every process must hold the same settings (model, sizes, seed).
 * `to_global(x, sharding)`: a host array onto a sharding that may span processes (each
   process fills only its own devices); `to_host(tree)`: sharded results back as numpy on
@@ -87,7 +87,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     to be noticed, and on CPU a collective timeout (env TP_JAX_COLLECTIVE_TIMEOUT, default 120).
     """
     if simulate_devices:
-        from tp_jax.devices import simulate_cpu_devices
+        from tp_jax.multihost.devices import simulate_cpu_devices
         simulate_cpu_devices(simulate_devices)
         _add_xla_flag("--xla_cpu_collective_call_terminate_timeout_seconds",
                       os.environ.get(ENV_COLLECTIVE_TIMEOUT, "120"))
@@ -132,7 +132,7 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> float:
 def _watchdog(args: dict, timeout_s: float):
     """JAX aborts the process (no Python exception) when connecting times out: say why first."""
     def fire():
-        print(f"tp_jax.distributed: process {args.get('process_id', '?')} of {args.get('num_processes', '?')} "
+        print(f"tp_jax.multihost.distributed: process {args.get('process_id', '?')} of {args.get('num_processes', '?')} "
               f"could not start with the others at {args.get('coordinator_address', '(auto-detected)')} within "
               f"{timeout_s:.0f}s: not every process connected. Check that --num-processes is the same on every "
               f"host, that process ids 0..N-1 are each started once, and that all hosts use process 0's "
@@ -208,40 +208,19 @@ def agree(what: str, values: dict) -> dict:
     return values
 
 
-def _jsonable(x):
+def jsonable(x):
     if x is None or isinstance(x, (str, bool, float)):
         return x
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if hasattr(x, "__index__"):
         return int(x)
     if isinstance(x, np.floating):
         return float(x)
     if hasattr(x, "__iter__"):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     raise TypeError(f"generate: cannot send a {type(x).__name__} to the other processes; prompts must be "
                     f"strings or lists of token ids")
-
-
-def share_request(prompts, sampling_params):
-    """(prompts, sampling_params) as process 0 passed them, on every process."""
-    if jax.process_count() == 1:
-        return prompts, sampling_params
-    import dataclasses
-    from tp_jax.sampling import SamplingParams
-
-    def encode():
-        sp = sampling_params
-        one = sp is None or isinstance(sp, SamplingParams)
-        sps = [sp] if one else list(sp)
-        if not all(p is None or isinstance(p, SamplingParams) for p in sps):
-            raise ValueError("generate: sampling_params must be a SamplingParams or a list of them, one per prompt")
-        params = [None if p is None else dataclasses.asdict(p) for p in sps]
-        return {"prompts": _jsonable(prompts), "params": _jsonable(params), "one": one}
-
-    req = share_from_driver(encode)
-    params = [None if p is None else SamplingParams(**p) for p in req["params"]]
-    return req["prompts"], params[0] if req["one"] else params
 
 
 # --- host <-> device across processes -------------------------------------------------------------

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from tp_jax import collectives
-from tp_jax.mesh import PP
+from tp_jax.parallel import collectives
+from tp_jax.parallel.mesh import PP
 
 
 def padded_layers(num_layers: int, pp: int) -> int:

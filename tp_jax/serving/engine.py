@@ -26,12 +26,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tp_jax import sampling
-from tp_jax.distributed import to_global, to_host
-from tp_jax.kv_cache import CACHE_SPEC, cache_shape, new_cache
-from tp_jax.mesh import DP, PP, TP
-from tp_jax.pipeline import choose_microbatches
-from tp_jax.sampling import SamplingParams, SamplingTensors
+from tp_jax.serving import sampling
+from tp_jax.multihost.distributed import to_global, to_host
+from tp_jax.serving.kv_cache import CACHE_SPEC, cache_shape, new_cache
+from tp_jax.parallel.mesh import DP, PP, TP
+from tp_jax.parallel.pipeline import choose_microbatches
+from tp_jax.serving.sampling import SamplingParams, SamplingTensors
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:

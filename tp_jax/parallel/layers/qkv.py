@@ -1,4 +1,4 @@
-"""QKVParallelLinear: the fused q/k/v projection, laid out by the head plan (tp_jax.heads).
+"""QKVParallelLinear: the fused q/k/v projection, laid out by the head plan (tp_jax.parallel.heads).
 
 W[D, tp * (q_local + 2 kv_local) * head_dim]; rank i's block is [Q_i, K_i, V_i], where
 Q_i holds the query heads of the plan's slots on rank i (zeros for padded slots) and
@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tp_jax.heads import HeadPlan, plan_heads
-from tp_jax.layers.linear import ColumnParallelLinear
-from tp_jax.layers.loading import PartRows, ShardedParam, expand_heads
+from tp_jax.parallel.heads import HeadPlan, plan_heads
+from tp_jax.parallel.layers.linear import ColumnParallelLinear
+from tp_jax.parallel.layers.loading import PartRows, ShardedParam, expand_heads
 
 
 class QKVParallelLinear(ColumnParallelLinear):

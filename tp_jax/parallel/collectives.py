@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tp_jax.mesh import PP, TP
+from tp_jax.parallel.mesh import PP, TP
 
 STRATEGIES = ("psum", "one_shot", "two_shot", "auto")
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from tp_jax.distributed import is_driver, share_request
-from tp_jax.outputs import CompletionOutput, RequestOutput, StreamEvent
-from tp_jax.sampling import SamplingParams
+import jax
+
+from tp_jax.multihost.distributed import jsonable, is_driver, share_from_driver
+from tp_jax.serving.outputs import CompletionOutput, RequestOutput, StreamEvent
+from tp_jax.serving.sampling import SamplingParams
 
 
 def normalize_prompts(prompts) -> list:
@@ -125,3 +127,23 @@ class Generation:
                                     self.logprobs[i] if p.logprobs is not None else None, *self.finish[i])
             outs.append(RequestOutput(str(i), self.texts[i], ids, [comp]))
         return outs
+
+
+def share_request(prompts, sampling_params):
+    """(prompts, sampling_params) as process 0 passed them, on every process."""
+    if jax.process_count() == 1:
+        return prompts, sampling_params
+    import dataclasses
+
+    def encode():
+        sp = sampling_params
+        one = sp is None or isinstance(sp, SamplingParams)
+        sps = [sp] if one else list(sp)
+        if not all(p is None or isinstance(p, SamplingParams) for p in sps):
+            raise ValueError("generate: sampling_params must be a SamplingParams or a list of them, one per prompt")
+        params = [None if p is None else dataclasses.asdict(p) for p in sps]
+        return {"prompts": jsonable(prompts), "params": jsonable(params), "one": one}
+
+    req = share_from_driver(encode)
+    params = [None if p is None else SamplingParams(**p) for p in req["params"]]
+    return req["prompts"], params[0] if req["one"] else params

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tp_jax import collectives
-from tp_jax.layers.base import (ParallelModule, check_tp_size, default_kernel_init, local_matmul,
+from tp_jax.parallel import collectives
+from tp_jax.parallel.layers.base import (ParallelModule, check_tp_size, default_kernel_init, local_matmul,
                                 make_param, padding_mask, split_size)
-from tp_jax.layers.loading import PartRows, ShardedParam, contiguous_rows, replicated_rows
-from tp_jax.mesh import TP
+from tp_jax.parallel.layers.loading import PartRows, ShardedParam, contiguous_rows, replicated_rows
+from tp_jax.parallel.mesh import TP
 
 
 class _Linear(ParallelModule):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from tp_jax.mesh import PP
+from tp_jax.parallel.mesh import PP
 
 
 class Stack(nnx.Module):

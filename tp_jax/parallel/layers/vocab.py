@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tp_jax import collectives
-from tp_jax.layers.base import ParallelModule, check_tp_size, make_param, padding_mask
-from tp_jax.layers.loading import PartRows, ShardedParam, contiguous_rows
-from tp_jax.mesh import TP
+from tp_jax.parallel import collectives
+from tp_jax.parallel.layers.base import ParallelModule, check_tp_size, make_param, padding_mask
+from tp_jax.parallel.layers.loading import PartRows, ShardedParam, contiguous_rows
+from tp_jax.parallel.mesh import TP
 
 VOCAB_PAD = 64
 

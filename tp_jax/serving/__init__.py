@@ -1,0 +1,4 @@
+"""Serving: the engine, KV cache, sampling, outputs and the `LLM` front door.
+
+Knows no HTTP; imports the parallel core, models and loaders, never the other way round.
+"""

@@ -12,11 +12,13 @@ Shapes (local, under shard_map): q[B, T, Hq, hd], k/v[B, T, Hkv, hd], Hq = Hkv *
 plan keeps G uniform per rank). A query at position p sees keys at positions <= p (and,
 with a sliding window w, > p - w).
 
-Paged step layout (see `PagedBatch`): the N tokens of a micro-batch are D decode rows of one
-token each, then P prefill rows of T tokens each (N = D + P * T). A row's context is its
-blocks, read as positions 0 .. W * block_size - 1; positions past the row's newest token are
-masked, so stale or padded blocks are never seen. Memory per layer is bounded by (tokens of
-a row) x (context): a prefill chunk never builds a [T, T] matrix over a whole prompt.
+Paged step layout (see `PagedBatch`): the N tokens of a micro-batch are packed: D decode rows
+of one token each, then the prefill rows' tokens back to back (then padding). For attention
+the prefill tokens are gathered into P rows of T (`prefill_index`), so the dense layers never
+compute padding beyond N. A row's context is its blocks, read as positions
+0 .. W * block_size - 1; positions past the row's newest token are masked, so stale or padded
+blocks are never seen. Memory per layer is bounded by (tokens of a row) x (context): a
+prefill chunk never builds a [T, T] matrix over a whole prompt.
 
 `PAGED_BACKENDS` maps a name to an implementation with `paged_reference`'s signature; the
 reference (gather + masked softmax in jax.numpy) runs everywhere and is the oracle for any
@@ -63,25 +65,28 @@ def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array) -> jax.Arr
 
 
 def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
-                    decode_tables: jax.Array, prefill_tables: jax.Array, scale: float,
+                    decode_tables: jax.Array, prefill_tables: jax.Array, prefill_index: jax.Array, scale: float,
                     window: int | None) -> jax.Array:
-    """q[N, Hq, hd] (decode rows first, then prefill rows) over the pool -> [N, Hq * hd]."""
+    """q[N, Hq, hd] (decode rows first, then packed prefill tokens) over the pool -> [N, Hq * hd].
+
+    prefill_index[P, T]: the flat token of each prefill row slot (N for padding).
+    """
     d, p = decode_tables.shape[0], prefill_tables.shape[0]
     n, hq, hd = q.shape
-    parts = []
+    out = jnp.zeros((n, hq * hd), q.dtype)
     if d:
         k = gather_rows(k_pool, layer, decode_tables)
         v = gather_rows(v_pool, layer, decode_tables)
-        k_pos = jnp.arange(k.shape[1])
-        parts.append(attention(q[:d, None], k, v, positions[:d, None], k_pos, scale, window)[:, 0])
+        dec = attention(q[:d, None], k, v, positions[:d, None], jnp.arange(k.shape[1]), scale, window)[:, 0]
+        out = out.at[:d].set(dec)
     if p:
-        t = (n - d) // p
         k = gather_rows(k_pool, layer, prefill_tables)
         v = gather_rows(v_pool, layer, prefill_tables)
-        k_pos = jnp.arange(k.shape[1])
-        out = attention(q[d:].reshape(p, t, hq, hd), k, v, positions[d:].reshape(p, t), k_pos, scale, window)
-        parts.append(out.reshape(p * t, hq * hd))
-    return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+        q_rows = jnp.take(q, prefill_index, axis=0, mode="fill", fill_value=0)          # [P, T, Hq, hd]
+        pos_rows = jnp.take(positions, prefill_index, axis=0, mode="fill", fill_value=0)
+        pre = attention(q_rows, k, v, pos_rows, jnp.arange(k.shape[1]), scale, window)  # [P, T, Hq * hd]
+        out = out.at[prefill_index].set(pre, mode="drop")
+    return out
 
 
 PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference}
@@ -102,5 +107,5 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache
         k_pool = write_pool(k_pool, cache.layer, batch.slots[b], k[b])
         v_pool = write_pool(v_pool, cache.layer, batch.slots[b], v[b])
         outs.append(impl(q[b], k_pool, v_pool, cache.layer, positions[b], batch.decode_tables[b],
-                         batch.prefill_tables[b], scale, window))
+                         batch.prefill_tables[b], batch.prefill_index[b], scale, window))
     return jnp.stack(outs), cache.replace(k=k_pool, v=v_pool)

@@ -6,8 +6,9 @@ them as a `KVCache` and needs to know nothing else:
     KVCache   k, v: [L_local, num_blocks, block_size, kv_local, hd] (this rank's pool) + a PagedBatch
     PagedBatch, per micro-batch row b (leading axis B):
               slots[B, N]              flat slot (block * block_size + offset) of each token's k/v; -1: none
-              decode_tables[B, D, W]   block table of each decode row (tokens 0 .. D-1, one each)
-              prefill_tables[B, P, W]  block table of each prefill row (tokens D + j*T .. D + (j+1)*T - 1)
+              decode_tables[B, D, Wd]  block table of each decode row (tokens 0 .. D-1, one each)
+              prefill_tables[B, P, Wp] block table of each prefill row
+              prefill_index[B, P, T]   the flat tokens of each prefill row, in order (N: padding)
     LayerCache  one layer's view inside the scan: the pool, the layer index, the batch
 
 `run_layers(stack, h, positions, cache, microbatches)` runs every local layer of a `Stack`
@@ -49,11 +50,12 @@ def _pytree(data: tuple[str, ...], meta: tuple[str, ...] = ()):
     return wrap
 
 
-@_pytree(("slots", "decode_tables", "prefill_tables"))
+@_pytree(("slots", "decode_tables", "prefill_tables", "prefill_index"))
 class PagedBatch:
     slots: jax.Array
     decode_tables: jax.Array
     prefill_tables: jax.Array
+    prefill_index: jax.Array
 
     def masked(self, valid) -> PagedBatch:
         """No writes when `valid` is False (a pipeline stage's idle step)."""

@@ -109,6 +109,14 @@ class BlockManager:
                 if self.hash_of[b] is None:
                     self.free_queue.move_to_end(b, last=False)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (benchmarks, weight swaps); only when no request holds blocks."""
+        if self.tables:
+            return False
+        self.cached.clear()
+        self.hash_of = [None] * self.num_blocks
+        return True
+
     def count_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += num_hit_tokens

@@ -111,7 +111,7 @@ class EngineCore:
         self.free_slots = list(range(self.num_slots))[::-1]
         self.requests: dict[str, Request] = {}
         self.rng = np.random.default_rng(config.seed)
-        self.stats = {"steps": 0, "scheduled_tokens": 0, "generated_tokens": 0, "preemptions": 0}
+        self.stats = {"steps": 0, "scheduled_tokens": 0, "generated_tokens": 0, "preemptions": 0, "max_running": 0}
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams,
@@ -127,36 +127,43 @@ class EngineCore:
         self.scheduler.add(req)
 
     def make_request(self, request_id: str, prompt_token_ids, params: SamplingParams,
-                     arrival_time: float | None = None) -> Request:
-        """A validated Request (not queued): every check before any device work."""
+                     arrival_time: float | None = None, *, where: str | None = None) -> Request:
+        """A validated Request (not queued): every check before any device work. Errors start
+        with `where` (default "request <id>")."""
         cfg = self.config
+        where = where or f"request {request_id}"
         if not isinstance(request_id, str) or request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use (or not a string); give a new one")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"request {request_id}: sampling params must be a SamplingParams, "
-                            f"got {type(params).__name__}")
-        if params.n != 1:
-            raise ValueError(f"request {request_id}: n={params.n}; the engine core runs one sequence per "
-                             f"request (the front door fans n > 1 out into child requests)")
+        self.check(prompt_token_ids, params, where)
         ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError(f"request {request_id}: the prompt is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"request {request_id}: token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        if len(ids) >= cfg.max_model_len:
-            raise ValueError(f"request {request_id}: the prompt has {len(ids)} tokens, but max_model_len="
-                             f"{cfg.max_model_len} leaves no room to generate; shorten it or raise max_model_len")
-        limit = min(cfg.max_logprobs, self.vocab_size)
-        if (params.logprobs or 0) > limit:
-            raise ValueError(f"request {request_id}: logprobs={params.logprobs} exceeds the limit of {limit} "
-                             f"(max_logprobs, and the vocabulary size {self.vocab_size})")
         room = cfg.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         words = sampling.key_words(params.seed, tuple(int(w) for w in self.rng.integers(0, 2**32, size=2)))
         return Request(request_id, len(ids), ids, params, max_tokens, words,
                        time.monotonic() if arrival_time is None else arrival_time,
                        sample_floats=sampling.row_floats(params))
+
+    def check(self, prompt_token_ids, params: SamplingParams, where: str) -> None:
+        """ValueError / TypeError, naming `where`, for a request this engine can never serve."""
+        cfg = self.config
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"{where}: n={params.n}; the engine core runs one sequence per request (the front "
+                             f"door fans n > 1 out into child requests)")
+        ids = prompt_token_ids
+        if len(ids) == 0:
+            raise ValueError(f"{where} is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        if len(ids) >= cfg.max_model_len:
+            raise ValueError(f"{where} has {len(ids)} tokens, but max_model_len={cfg.max_model_len} leaves no "
+                             f"room to generate; shorten it or raise max_model_len")
+        limit = min(cfg.max_logprobs, self.vocab_size)
+        if (params.logprobs or 0) > limit:
+            raise ValueError(f"{where}: logprobs={params.logprobs} exceeds the limit of {limit} (max_logprobs, "
+                             f"and the vocabulary size {self.vocab_size})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
@@ -186,6 +193,7 @@ class EngineCore:
         self.stats["steps"] += 1
         self.stats["scheduled_tokens"] += out.num_tokens
         self.stats["preemptions"] = self.scheduler.num_preemptions
+        self.stats["max_running"] = max(self.stats["max_running"], sum(len(rows) for rows in out.rows))
         outputs = []
         for g, rows in enumerate(batch.rows):
             for i, row in enumerate(rows):
@@ -289,6 +297,10 @@ class EngineCore:
     def kv_usage(self) -> float:
         used = sum(b.num_used for b in self.scheduler.blocks)
         return used / (self.pool.num_blocks * len(self.scheduler.blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (vLLM's reset_prefix_cache); False while requests still run."""
+        return all([b.reset_prefix_cache() for b in self.scheduler.blocks])
 
     def prefix_cache_hit_rate(self) -> float:
         q = sum(b.prefix_queries for b in self.scheduler.blocks)

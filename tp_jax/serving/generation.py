@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import numpy as np
 
 from tp_jax.multihost.distributed import is_driver
-from tp_jax.serving.llm_engine import parse_prompt
 from tp_jax.serving.outputs import RequestOutput, StreamEvent
 from tp_jax.serving.sampling import SamplingParams
 
@@ -76,10 +75,10 @@ class Generation:
         sent: dict[tuple[int, int], tuple[int, int]] = {}             # (prompt, sample) -> (tokens, chars)
         added: list[str] = []
         try:
+            for i, (p, sp) in enumerate(zip(self.prompts, self.params)):
+                engine.check(p, sp, f"prompt {i}")                     # every prompt checked before any runs
             for i, (rid, p, sp) in enumerate(zip(ids, self.prompts, self.params)):
-                parse_prompt(p, engine.tokenizer, f"generate: prompt {i}")          # all checked before any runs
-            for rid, p, sp in zip(ids, self.prompts, self.params):
-                engine.add_request(rid, p, sp, stream=with_text)
+                engine.add_request(rid, p, sp, stream=with_text, where=f"prompt {i}")
                 added.append(rid)
             index = {rid: i for i, rid in enumerate(ids)}
             while len(self.results) < len(ids):

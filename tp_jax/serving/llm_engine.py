@@ -61,25 +61,31 @@ class LLMEngine:
         self.processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, stream: bool = False) -> None:
-        """Queue a request (validated before anything is queued). `stream`: keep its text current
-        every step (otherwise text is decoded when it finishes, or per token for stop strings)."""
+    def check(self, prompt, params: SamplingParams | None, where: str):
+        """(text, token ids, per-sample params) of a request, or the ValueError / TypeError it would
+        raise; nothing is queued."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"request {request_id}: sampling params must be a SamplingParams, "
-                            f"got {type(params).__name__}")
-        if request_id in self.processor.states:
-            raise ValueError(f"request id {request_id!r} is already in use; give a new one")
-        text, ids = parse_prompt(prompt, self.tokenizer, f"request {request_id}: the prompt")
+            raise TypeError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = parse_prompt(prompt, self.tokenizer, where)
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"request {request_id}: stop strings need a tokenizer, and this model has none; "
-                             f"use stop_token_ids")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+            raise ValueError(f"{where}: stop strings need a tokenizer, and this model has none; use stop_token_ids")
         children = [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
                     for i in range(params.n)]
+        self.core.check(ids, children[0], where)
+        return text, ids, children
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
+                    arrival_time: float | None = None, stream: bool = False, where: str | None = None) -> None:
+        """Queue a request (validated before anything is queued). `stream`: keep its text current
+        every step (otherwise text is decoded when it finishes, or per token for stop strings).
+        Errors start with `where` (default "request <id>")."""
+        if not isinstance(request_id, str) or request_id in self.processor.states:
+            raise ValueError(f"request id {request_id!r} is already in use (or not a string); give a new one")
+        text, ids, children = self.check(prompt, params, where or f"request {request_id}")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         core_ids = [f"{request_id}#{next(self._ids)}" for _ in children]
-        reqs = [self.core.make_request(cid, ids, p, arrival) for cid, p in zip(core_ids, children)]
+        reqs = [self.core.make_request(cid, ids, p, arrival, where=where) for cid, p in zip(core_ids, children)]
         state = RequestState(request_id, text, ids, [_Sample(p) for p in children], RequestMetrics(arrival))
         self.processor.add(state, core_ids, stream)
         for r in reqs:

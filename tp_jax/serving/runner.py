@@ -47,7 +47,7 @@ class ModelRunner:
 
         rows = P(DP)
         fn = jax.shard_map(forward, mesh=mesh, in_specs=(specs, rows, rows, POOL_SPEC, POOL_SPEC,
-                                                          PagedBatch(rows, rows, rows), rows),
+                                                          PagedBatch(rows, rows, rows, rows), rows),
                            out_specs=(rows, POOL_SPEC, POOL_SPEC), check_vma=False)
         self._forward = jax.jit(fn, donate_argnums=(3, 4))
 
@@ -57,7 +57,7 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> jax.Array:
         """Run the model on one step's tokens, writing their k/v; logits [G, D + P, V] stay on device."""
         a = {k: self.put(v) for k, v in batch.arrays().items()}
-        paged = PagedBatch(a["slots"], a["decode_tables"], a["prefill_tables"])
+        paged = PagedBatch(a["slots"], a["decode_tables"], a["prefill_tables"], a["prefill_index"])
         logits, self.k, self.v = self._forward(self.state, a["ids"], a["positions"], self.k, self.v, paged,
                                                a["logits_index"])
         self.compiled_shapes.add(batch.shape)

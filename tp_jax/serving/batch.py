@@ -66,6 +66,15 @@ class StepBatch:
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in self.ARRAYS}
 
+    @classmethod
+    def empty(cls, s: StepShape) -> StepBatch:
+        """An all-padding step of shape `s` (writes nothing, samples nothing): for warm-up."""
+        g, n, d, p = s.groups, s.tokens, s.decode_rows, s.prefill_rows
+        z = lambda *shape: np.zeros(shape, np.int32)
+        return cls(s, z(g, n), z(g, n), np.full((g, n), -1, np.int32), z(g, d, s.decode_blocks),
+                   z(g, p, s.prefill_blocks), np.full((g, p, s.prefill_width), n, np.int32), z(g, d + p),
+                   [[None] * (d + p) for _ in range(g)])
+
 
 def _split(rows: list[ScheduledRow], m: int) -> list[tuple[list[ScheduledRow], list[ScheduledRow]]]:
     """A replica's rows into m micro-batches: decodes round-robin, prefills to the lightest group."""

@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 
 from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_host
 from tp_jax.parallel.mesh import DP, PP
-from tp_jax.parallel.pipeline import choose_microbatches
 from tp_jax.serving import sampling
 from tp_jax.serving.batch import MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch
 from tp_jax.serving.kv_pool import plan_pool
@@ -96,8 +95,9 @@ class EngineCore:
         self.vocab_size = model.config.vocab_size
         self.eos = frozenset(int(t) for t in eos_token_ids)
         dp, pp = mesh.shape[DP], mesh.shape[PP]
-        m = pp if config.num_microbatches is None else config.num_microbatches
-        self.microbatches = choose_microbatches(m, m)                       # validates >= 1
+        self.microbatches = pp if config.num_microbatches is None else config.num_microbatches
+        if self.microbatches < 1:
+            raise ValueError(f"num_microbatches={self.microbatches} must be >= 1")
         plan = lambda blocks: plan_pool(model.kv_layout(), mesh, block_size=config.block_size,
                                         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                                         num_gpu_blocks=blocks, kv_cache_memory_bytes=config.kv_cache_memory_bytes,

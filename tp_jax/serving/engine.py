@@ -231,13 +231,7 @@ class EngineCore:
 
     def _execute(self, plan: StepPlan):
         """The device work of a step (every process runs it); the sampled rows as numpy."""
-        for slot, prompt, outputs in plan.penalty_inits:
-            self.runner.init_penalty_slot(slot, prompt, outputs)
-        logits = self.runner.forward(plan.batch)
-        out = self.runner.sample(logits, plan.floats, plan.top_k, plan.words, plan.steps, plan.penalty_rows,
-                                 num_logprobs=plan.num_logprobs, penalties=plan.penalties,
-                                 all_greedy=plan.all_greedy)
-        return to_host(out)
+        return self.runner.execute(plan)
 
     def _append(self, req: Request, token: int, logprob: float, top_ids, top_lp) -> EngineOutput:
         req.token_ids.append(token)

@@ -19,6 +19,7 @@ import numpy as np
 from tp_jax.multihost.distributed import agree, share_from_driver, to_global, to_host
 from tp_jax.parallel.mesh import DP, make_mesh
 from tp_jax.parallel.pipeline import choose_microbatches
+from tp_jax.serving.args import validate_llm_args
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -48,6 +49,7 @@ class LLM:
                  data_parallel_size: int = 1, dtype: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 256, num_microbatches: int | None = None, seed: int = 0, devices=None,
                  progress: bool = True):
+        validate_llm_args(**locals())                  # types and ranges, before any work
         from tp_jax.loaders.default import default_model_path
         from tp_jax.loaders.model import load_from_source, open_checkpoint
         self.model_path = default_model_path() if model is None else str(model)

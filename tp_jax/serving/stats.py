@@ -65,9 +65,10 @@ def timed(events, stats: GenerationStats):
         if first is None:
             first = (now, CompileClock.total)
             stats.ttft_s = now - t0
-        if ev.index in started:
+        key = (ev.index, getattr(ev, "sample", 0))          # one stream per prompt (and sample)
+        if key in started:
             stats.decode_tokens += 1
-        started.add(ev.index)
+        started.add(key)
         yield ev
     if first is not None:
         stats.decode_s = max(time.perf_counter() - first[0] - (CompileClock.total - first[1]), 0.0)

@@ -11,8 +11,9 @@ std::bad_cast before it is called. So `supervise()` forks:
   own `sys.stdout` / `sys.stderr` keep the real ones, so stdout carries only what the
   program prints (Gloo's "[Gloo] Rank 0 is connected ..." lines move to stderr).
 * the parent, the process that was started, only relays that pipe to stderr and waits.
-  Native error records are held back a moment; when the child dies of JAX's fatal error
-  they are dropped and one line naming the dead peer is printed instead, exit code 3.
+  Native log records (absl: warnings, errors) are held back a moment; when the child dies of
+  JAX's fatal error they are dropped and one line naming the dead peer is printed instead,
+  exit code 3.
   Otherwise it exits as the child did (same code, or the same signal), and forwards
   SIGINT / SIGTERM / SIGHUP to it. On Linux the child is SIGKILLed if the parent dies.
 """
@@ -29,9 +30,9 @@ import time
 
 EXIT_PEER_LOST = 3
 FATAL_MARK = "JAX distributed service detected fatal errors"
-HOLD_S = 2.0                                   # how long native error records are held back
+HOLD_S = 2.0                                   # how long native log records are held back
 # absl / glog record prefix: severity, MMDD, time, thread id, file:line]
-_RECORD = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [^\s\]]+:\d+\]")
+_RECORD = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [^\s\]]+:\d+\]")
 _RECORD_START = re.compile(rb"^[IWEF]\d{0,4}( |$)")     # what may still become a record
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -117,7 +118,7 @@ class Watcher:
     def __init__(self, pid: int, fd: int, describe_fatal, out_fd: int = 2):
         self.pid, self.fd, self.describe_fatal, self.out_fd = pid, fd, describe_fatal, out_fd
         self.partial = b""
-        self.held: list[bytes] = []              # native error records (and what follows) held back
+        self.held: list[bytes] = []              # native log records (and what follows) held back
         self.held_at = 0.0
 
     def run(self) -> int:
@@ -173,8 +174,7 @@ class Watcher:
             self.partial = b""
 
     def _line(self, line: bytes) -> None:
-        m = _RECORD.match(line.decode(errors="replace"))
-        if self.held or (m and m.group(1) in "EF"):
+        if self.held or _RECORD.match(line.decode(errors="replace")):
             self.held.append(line)
             self.held_at = time.monotonic()
         else:

@@ -16,16 +16,16 @@ NO_SUCH_MODEL = "/nonexistent/model/dir"          # reached only if the argument
     (dict(tensor_parallel_size="2"), TypeError, "tensor_parallel_size='2' must be an int >= 1 (devices that "
      "split each layer), got str; pass tensor_parallel_size=2"),
     (dict(tensor_parallel_size=True), TypeError, "tensor_parallel_size=True must be an int >= 1"),
-    (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size=0 must be an int >= 1"),
-    (dict(pipeline_parallel_size=-1), ValueError, "pipeline_parallel_size=-1 must be an int >= 1 (stages"),
+    (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size=0 must be >= 1 (devices that split each layer)"),
+    (dict(pipeline_parallel_size=-1), ValueError, "pipeline_parallel_size=-1 must be >= 1 (stages"),
     (dict(data_parallel_size=1.5), TypeError, "data_parallel_size=1.5 must be an int >= 1 (model replicas), "
      "got float"),
-    (dict(max_num_seqs=0), ValueError, "max_num_seqs=0 must be an int >= 1 (the most sequences generated "
+    (dict(max_num_seqs=0), ValueError, "max_num_seqs=0 must be >= 1 (the most sequences generated "
      "together)"),
-    (dict(max_num_seqs=-3), ValueError, "max_num_seqs=-3 must be an int >= 1"),
-    (dict(max_model_len=0), ValueError, "max_model_len=0 must be None or an int >= 1"),
+    (dict(max_num_seqs=-3), ValueError, "max_num_seqs=-3 must be >= 1"),
+    (dict(max_model_len=0), ValueError, "max_model_len=0 must be >= 1 (tokens per sequence, prompt included; None: the model's limit"),
     (dict(max_model_len="512"), TypeError, "max_model_len='512' must be None or an int >= 1"),
-    (dict(num_microbatches=0), ValueError, "num_microbatches=0 must be None or an int >= 1"),
+    (dict(num_microbatches=0), ValueError, "num_microbatches=0 must be >= 1 (pipeline micro-batches; None: pipeline_parallel_size)"),
     (dict(seed=1.0), TypeError, "seed=1.0 must be an int, got float; pass seed=1"),
     (dict(seed=None), TypeError, "seed=None must be an int, got NoneType"),
     (dict(dtype=np.float32), TypeError, "must be a string: 'auto', 'float32', 'bfloat16' or 'float16'"),

@@ -37,7 +37,7 @@ ENV_ADDRESS, ENV_NUM, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "
 ENV_INIT_TIMEOUT, ENV_HEARTBEAT = "TP_JAX_INIT_TIMEOUT", "TP_JAX_HEARTBEAT_TIMEOUT"
 ENV_COLLECTIVE_TIMEOUT, ENV_SUPERVISE = "TP_JAX_COLLECTIVE_TIMEOUT", "TP_JAX_SUPERVISE"
 CLUSTER_SIZE_VARS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")  # set inside srun / mpirun; JAX auto-detects
-EXIT_INIT_TIMEOUT = EXIT_PEER_LOST = 3
+EXIT_INIT_TIMEOUT = 3
 DEFAULT_HEARTBEAT_S, MIN_SHUTDOWN_S = 10, 30
 _run = {"supervised": False, "heartbeat_s": DEFAULT_HEARTBEAT_S}
 
@@ -106,7 +106,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     init_s = float(init_timeout_s or os.environ.get(ENV_INIT_TIMEOUT) or 300)
     beat_s = int(heartbeat_timeout_s or os.environ.get(ENV_HEARTBEAT) or DEFAULT_HEARTBEAT_S)
     _run["heartbeat_s"] = beat_s
-    if os.environ.get(ENV_SUPERVISE, "1") != "0" if supervise is None else supervise:
+    if supervise is None:
+        supervise = os.environ.get(ENV_SUPERVISE, "1") != "0"
+    if supervise:
         from tp_jax.multihost.supervisor import supervise as watch_from_parent
         _run["supervised"] = watch_from_parent(args.get("process_id"), args.get("num_processes"),
                                                args.get("coordinator_address"), beat_s)

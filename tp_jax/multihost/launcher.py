@@ -19,7 +19,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-EXIT_TIMEOUT, EXIT_PEER_LOST = 124, 3
+from tp_jax.multihost.supervisor import EXIT_PEER_LOST
+
+EXIT_TIMEOUT = 124
 
 
 def free_port() -> int:

@@ -28,7 +28,7 @@ def _int(name: str, value: Any, minimum: int | None, meaning: str, optional: boo
         raise TypeError(f"LLM: {name}={value!r} must be {what}{meaning}, got {type(value).__name__}"
                         f"{_suggest(name, value)}")
     if minimum is not None and int(value) < minimum:
-        raise ValueError(f"LLM: {name}={value!r} must be {what}{meaning}")
+        raise ValueError(f"LLM: {name}={value!r} must be >= {minimum}{meaning}")
 
 
 def _suggest(name: str, value: Any) -> str:

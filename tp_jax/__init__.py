@@ -39,7 +39,7 @@ def __getattr__(name):
         from tp_jax.serving.sampling import SamplingParams
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput", "StreamEvent"):
-        from tp_jax import outputs
+        from tp_jax.serving import outputs
         return getattr(outputs, name)
     raise AttributeError(f"module 'tp_jax' has no attribute {name!r}")
 

@@ -14,6 +14,8 @@ if "collective_call_terminate_timeout" not in _flags:
     _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=60"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# JAX's persistent compilation cache (on by default in LLM) in a directory of this session, never ~/.cache
+os.environ.setdefault("TP_JAX_COMPILE_CACHE", __import__("tempfile").mkdtemp(prefix="tp_jax_xla_"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -58,7 +58,9 @@ class LLM:
     max_num_seqs and max_num_batched_tokens (per dp replica per step); block_size,
     num_gpu_blocks / kv_cache_memory_bytes / gpu_memory_utilization (the KV pool, see
     tp_jax/serving/kv_pool.py); enable_prefix_caching; num_microbatches (pp); seed (the
-    engine's randomness for unseeded requests); devices; progress (a loading bar).
+    engine's randomness for unseeded requests); devices; progress (a loading bar);
+    compile_cache (True: JAX's persistent compilation cache in ~/.cache/tp_jax/xla or
+    $TP_JAX_COMPILE_CACHE; a directory; False: off; see tp_jax/serving/compile_cache.py).
     """
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -66,8 +68,11 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 512, block_size: int = 16,
                  num_gpu_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True):
+                 num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
+                 compile_cache: bool | str = True):
         validate_llm_args(**locals())                  # types and ranges, before any work (EngineConfig: the rest)
+        from tp_jax.serving import compile_cache as cache
+        self.compile_cache_dir = cache.enable(compile_cache)
         from tp_jax.loaders.default import default_model_path
         from tp_jax.loaders.model import abstract_model, load_from_source, open_checkpoint
         self.model_path = default_model_path() if model is None else str(model)

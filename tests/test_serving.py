@@ -240,3 +240,11 @@ def test_a_step_plan_survives_the_trip_to_other_processes(llm):
     assert back.penalty_inits == [tuple(x) for x in plan.penalty_inits] and len(plan.penalty_inits) == 1
     for rid in ("plan-a", "plan-b"):
         engine.abort(rid)
+
+
+def test_the_jax_nn_attention_backend_gives_the_same_tokens(path, alone):
+    llm = LLM(path, tensor_parallel_size=2, attention_backend="jax_nn", progress=False)
+    assert run_workload(llm.engine, mixed_workload()) == alone
+    with pytest.raises(ValueError, match=r"attention_backend='flash' is not registered; choose one of "
+                                         r"\['jax_nn', 'reference'\]"):
+        LLM(path, attention_backend="flash", progress=False)

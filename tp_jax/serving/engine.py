@@ -56,6 +56,7 @@ class EngineConfig:
     num_microbatches: int | None = None           # pp micro-batches per replica (default pp)
     max_logprobs: int = 20
     seed: int = 0
+    attention_backend: str = "reference"          # models/attention.py PAGED_BACKENDS
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
@@ -67,6 +68,10 @@ class EngineConfig:
                              f"(block_size={self.block_size}); raise it to at least {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        from tp_jax.models.attention import PAGED_BACKENDS
+        if self.attention_backend not in PAGED_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not registered; choose one of "
+                             f"{sorted(PAGED_BACKENDS)} (or register yours in models/attention.py PAGED_BACKENDS)")
         for name in ("num_gpu_blocks", "kv_cache_memory_bytes"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
@@ -108,7 +113,8 @@ class EngineCore:
                                                    config.block_size, self.pool.num_blocks, dp,
                                                    config.enable_prefix_caching))
         self.num_slots = config.max_num_seqs * dp
-        self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.vocab_size, self.num_slots)
+        self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.vocab_size, self.num_slots,
+                                  config.attention_backend)
         self.free_slots = list(range(self.num_slots))[::-1]
         self.requests: dict[str, Request] = {}
         self.rng = np.random.default_rng(config.seed)

@@ -60,7 +60,8 @@ class LLM:
     tp_jax/serving/kv_pool.py); enable_prefix_caching; num_microbatches (pp); seed (the
     engine's randomness for unseeded requests); devices; progress (a loading bar);
     compile_cache (True: JAX's persistent compilation cache in ~/.cache/tp_jax/xla or
-    $TP_JAX_COMPILE_CACHE; a directory; False: off; see tp_jax/serving/compile_cache.py).
+    $TP_JAX_COMPILE_CACHE; a directory; False: off; see tp_jax/serving/compile_cache.py);
+    attention_backend ("reference", or "jax_nn": jax.nn.dot_product_attention, cuDNN on GPUs).
     """
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -69,7 +70,7 @@ class LLM:
                  num_gpu_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
-                 compile_cache: bool | str = True):
+                 compile_cache: bool | str = True, attention_backend: str = "reference"):
         validate_llm_args(**locals())                  # types and ranges, before any work (EngineConfig: the rest)
         from tp_jax.serving import compile_cache as cache
         self.compile_cache_dir = cache.enable(compile_cache)
@@ -92,7 +93,7 @@ class LLM:
             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, num_gpu_blocks=num_gpu_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            num_microbatches=self.num_microbatches, seed=seed)
+            num_microbatches=self.num_microbatches, seed=seed, attention_backend=attention_backend)
         if num_gpu_blocks is not None or kv_cache_memory_bytes is not None:      # a pool too small: fail now
             from tp_jax.serving.kv_pool import plan_pool
             plan_pool(abstract_model(self.config, self.mesh, self.dtype).kv_layout(), self.mesh,

@@ -34,7 +34,7 @@ from tp_jax.serving.sampling import SamplingTensors
 
 class ModelRunner:
     def __init__(self, model: nnx.Module, mesh: Mesh, pool: PoolShape, microbatches: int, vocab_size: int,
-                 num_slots: int):
+                 num_slots: int, attention_backend: str = "reference"):
         self.mesh, self.pool, self.vocab_size, self.num_slots = mesh, pool, vocab_size, num_slots
         graphdef, self.state = nnx.split(model)
         specs = nnx.get_partition_spec(self.state)
@@ -46,7 +46,8 @@ class ModelRunner:
             a = unpack(packed, shape)
             m = nnx.merge(graphdef, state)
             paged = PagedBatch(a["slots"], a["decode_tables"], a["prefill_tables"], a["prefill_index"])
-            h, cache = m.hidden_states(a["ids"], a["positions"], KVCache(k, v, paged), microbatches=microbatches)
+            cache = KVCache(k, v, paged, attention_backend)
+            h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches)
             last = jnp.take_along_axis(h, a["logits_index"][..., None], axis=1)     # [M, R, D]
             return m.logits(last), cache.k, cache.v
 

@@ -7,7 +7,7 @@
   row's draw never depends on the rest of the batch. Penalties read per-request state
   (prompt-token mask and output-token counts, [slots + 1, V], the last row a scratch row
   for padding) that lives on the devices while the request runs. The result comes back
-  as one float32 array (token ids bit-cast), so a step costs one transfer each way (plus
+  as one int32 array (logprobs bit-cast), so a step costs one transfer each way (plus
   one for the sampling rows when any row samples randomly or is penalized).
 Both are jitted once per shape and flag set; `compiled_shapes` lists the forward's.
 """
@@ -84,9 +84,9 @@ class ModelRunner:
                 self.penalty_state = (self.penalty_state[0], counts)
             else:
                 out = _sample(logits, floats, ints, num_logprobs=n)
-        out = to_host(out)
-        ids = lambda x: np.ascontiguousarray(x).view(np.int32)
-        return ids(out[..., 0]), out[..., 1], ids(out[..., 2:2 + n]), out[..., 2 + n:]
+        out = np.asarray(to_host(out), np.int32)
+        floats = lambda x: np.ascontiguousarray(x).view(np.float32)
+        return out[..., 0], floats(out[..., 1]), out[..., 2:2 + n], floats(out[..., 2 + n:])
 
     def init_penalty_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """Load a request's prompt-token mask and output counts into penalty row `slot`."""
@@ -106,9 +106,13 @@ def _set_row(mask, counts, slot, mask_row, counts_row):
 
 
 def _pack(g: int, tokens, lp) -> jax.Array:
-    """One f32[G, R, 2 + 2N] result: token (bit-cast), its logprob, top ids (bit-cast), top logprobs."""
-    bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
-    out = jnp.concatenate([bits(tokens)[:, None], lp.logprob[:, None], bits(lp.top_ids), lp.top_logprobs], axis=1)
+    """One i32[G, R, 2 + 2N] result: token, its logprob (bit-cast), top ids, top logprobs (bit-cast).
+
+    Integers, not floats: a cross-process broadcast may sum in float32, where bit-cast token
+    ids would be denormals and flushed to zero."""
+    bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    out = jnp.concatenate([tokens.astype(jnp.int32)[:, None], bits(lp.logprob)[:, None],
+                           lp.top_ids.astype(jnp.int32), bits(lp.top_logprobs)], axis=1)
     return out.reshape(g, -1, out.shape[-1])
 
 

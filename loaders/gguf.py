@@ -26,9 +26,11 @@ import gguf
 import ml_dtypes
 import numpy as np
 
+from tp_jax.loaders.dtypes import BY_NAME
+
 QT = gguf.GGMLQuantizationType
-FLOAT_TYPES = {QT.F32: np.dtype(np.float32), QT.F16: np.dtype(np.float16),
-               QT.BF16: np.dtype(ml_dtypes.bfloat16)}
+FLOAT_TYPES = {QT.F32: BY_NAME["float32"].numpy, QT.F16: BY_NAME["float16"].numpy,
+               QT.BF16: BY_NAME["bfloat16"].numpy}
 QUANT_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
                QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)   # dequantized to float32
 SUPPORTED_ARCHITECTURES = ("llama",)

@@ -30,7 +30,8 @@ def rss(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
-source, cfg = open_checkpoint(sys.argv[1])
+ckpt = open_checkpoint(sys.argv[1])
+source, cfg = ckpt.source, ckpt.config
 mesh = make_mesh(tp=8)
 jax.block_until_ready(jnp.ones(8))
 base = rss("VmRSS:")

@@ -4,6 +4,7 @@ fields; and the rule that model files import only from tp_jax (never loaders / e
 import ast
 import dataclasses
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -180,7 +181,7 @@ def _imports(path: str) -> list[str]:
     return out
 
 
-LIBRARIES = {"__future__", "dataclasses", "math", "os", "collections", "typing", "jax", "flax", "numpy"}
+LIBRARIES = set(sys.stdlib_module_names) | {"jax", "flax", "numpy"}
 EXTRA = {"config.py": {"transformers"}}      # load_config reads config.json with AutoConfig
 
 

@@ -20,7 +20,9 @@ from tp_jax.parallel.layers.loading import WeightShapeError
 from tp_jax.serving.llm import LLM
 from tp_jax.loaders.orbax import (ORBAX_SUBDIR, OrbaxCheckpointError, OrbaxSource, chunk_shape, convert_to_orbax,
                                   write_orbax)
+from tp_jax.loaders.model import tensor_split_dims
 from tp_jax.loaders.place import MissingWeightError
+from tp_jax.models.config import load_config
 from tp_jax.loaders.safetensors import SafetensorsSource
 
 TPS = [1, 2, 4, 8]
@@ -80,11 +82,12 @@ def test_orbax_api_restores_canonical_tensors(tiny):
         want = src.get(name)[...]
         assert restored[name].dtype == want.dtype and np.array_equal(restored[name], want), name
     source = OrbaxSource(orbax_dir)
+    split = tensor_split_dims(load_config(orbax_dir))       # read off the layers' declarations
     for name, rows_dim in [("model.layers.0.self_attn.q_proj.weight", 0), ("model.layers.0.mlp.down_proj.weight", 1),
                            ("model.embed_tokens.weight", 0)]:
         t = source.get(name)
         chunks = tuple(t._store.chunk_layout.read_chunk.shape)
-        assert chunks == chunk_shape(name, t.shape)
+        assert split[name] == rows_dim and chunks == chunk_shape(t.shape, rows_dim)
         assert chunks[rows_dim] == 64 and chunks[1 - rows_dim] == t.shape[1 - rows_dim]
     q = source.get("model.layers.1.self_attn.q_proj.weight")
     assert np.array_equal(q[64:128, 3:9], src.get("model.layers.1.self_attn.q_proj.weight")[64:128, 3:9])

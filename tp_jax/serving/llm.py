@@ -20,16 +20,14 @@ from tp_jax.multihost.distributed import agree, share_from_driver, to_global, to
 from tp_jax.parallel.mesh import DP, make_mesh
 from tp_jax.parallel.pipeline import choose_microbatches
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
 def resolve_dtype(dtype: str):
     """"auto": float32 on CPU (XLA:CPU bf16 matmuls are ~10x slower), bfloat16 on accelerators."""
+    from tp_jax.loaders.dtypes import FLOATS, BY_NAME
     if dtype == "auto":
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; choose 'auto' or one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype not in FLOATS:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose 'auto' or one of {sorted(FLOATS)}")
+    return jnp.dtype(BY_NAME[dtype].numpy)
 
 
 def build_mesh(tp: int, pp: int, dp: int, devices=None):
@@ -44,10 +42,26 @@ def build_mesh(tp: int, pp: int, dp: int, devices=None):
 
 
 class LLM:
+    """A model loaded onto a (dp, pp, tp) mesh, vLLM's offline entry point.
+
+    Args:
+      model: a Hugging Face directory (config.json + *.safetensors), an Orbax directory
+        (scripts/convert.py), a `.gguf` file, or None for the embedded SmolLM2-135M-Instruct.
+      tensor_parallel_size, pipeline_parallel_size, data_parallel_size: the mesh (tp x pp x dp
+        devices).
+      dtype: "auto" (float32 on CPU, bfloat16 on accelerators), "float32", "bfloat16", "float16".
+      max_model_len: the longest prompt + generation (default min(2048, the model's limit)).
+      max_num_seqs: the most sequences decoded together. num_microbatches: pipeline
+        micro-batches (default pp). seed: the sampling seed. devices: the devices to use
+        (default all). progress: show the loading progress bar.
+      check_weights: refuse weights holding NaN / infinity (checked per tensor while
+        loading, cheap); False skips the check.
+    """
+
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  data_parallel_size: int = 1, dtype: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 256, num_microbatches: int | None = None, seed: int = 0, devices=None,
-                 progress: bool = True):
+                 progress: bool = True, check_weights: bool = True):
         from tp_jax.loaders.default import default_model_path
         from tp_jax.loaders.model import load_from_source, open_checkpoint
         self.model_path = default_model_path() if model is None else str(model)
@@ -57,13 +71,15 @@ class LLM:
         self.dtype = resolve_dtype(dtype)
         self.num_microbatches = pipeline_parallel_size if num_microbatches is None else num_microbatches
         choose_microbatches(1, self.num_microbatches)              # bad values fail before the load
-        source, self.config = open_checkpoint(self.model_path)
+        checkpoint = open_checkpoint(self.model_path)
+        source, self.config = checkpoint.source, checkpoint.config
         limit = self.config.max_position_embeddings
         self.max_model_len = min(limit, 2048) if max_model_len is None else int(max_model_len)
         if not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, {limit}] "
                              f"(the model's max_position_embeddings)")
-        self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress)
+        self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress,
+                                      check_weights=check_weights)
         self.seed, self.max_num_seqs = seed, max_num_seqs
         self._forward = None
         self._engine = None

@@ -11,10 +11,23 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
+from tp_jax.parallel.layers.base import show_init_signature
 from tp_jax.parallel.mesh import PP
 
 
 class Stack(nnx.Module):
+    """N copies of a module, params stacked on a leading layer axis sharded on pp.
+
+    Args:
+      make: `make(rngs) -> module`, called once per layer (under `nnx.vmap`).
+      num_layers: N (>= 1).
+      rngs: `nnx.Rngs`, split per layer.
+
+    `stack(fn, h, xs)` scans `h, y_i = fn(layer_i, h, xs_i)` over the local layers and returns
+    (h, ys). In a name table, a stacked param's path is "<stack path>.layers.<param>" and its
+    checkpoint names carry `{i}` for the layer index.
+    """
+
     def __init__(self, make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs):
         if num_layers < 1:
             raise ValueError(f"Stack: num_layers={num_layers} must be >= 1.")
@@ -37,3 +50,6 @@ class Stack(nnx.Module):
             return h, y_i
 
         return jax.lax.scan(body, h, (state, carry_xs))
+
+
+show_init_signature(Stack)

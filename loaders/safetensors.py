@@ -63,11 +63,24 @@ def read_header(path: str) -> dict[str, dict]:
     spans = []
     for name, info in header.items():
         spans.append((*_check_entry(path, name, info, size - 8 - n), name))
-    spans.sort()
-    for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise CheckpointError(f"{path} is corrupt: tensors {n0!r} and {n1!r} overlap in the data section")
+    _check_covered(path, sorted(spans), size - 8 - n)
     return header
+
+
+def _check_covered(path: str, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """The tensors tile the data section exactly, as the format requires (no overlap, hole or tail).
+
+    A header whose length or offsets were damaged would otherwise read other bytes as a tensor."""
+    end, prev = 0, None
+    for begin, stop, name in spans:
+        if begin != end:
+            what = f"overlaps {prev!r}" if begin < end else f"leaves bytes {end}..{begin} unused"
+            raise CheckpointError(f"{path} is corrupt: tensor {name!r} at bytes {begin}..{stop} of the data "
+                                  f"section {what}")
+        end, prev = stop, name
+    if end != data_size:
+        raise CheckpointError(f"{path} is corrupt: its tensors cover {end} bytes of a {data_size}-byte data "
+                              f"section (damaged header length or offsets); re-download or re-save it")
 
 
 def _check_entry(path: str, name: str, info, data_size: int) -> tuple[int, int]:

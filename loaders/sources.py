@@ -28,6 +28,10 @@ class Checkpoint:
     source: object
     config: ModelConfig
 
+    def __iter__(self):
+        """`source, config = open_checkpoint(path)` also works."""
+        return iter((self.source, self.config))
+
 
 def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and str(path).lower().endswith(".gguf")

@@ -1,21 +1,36 @@
-"""Causal grouped-query attention on one rank's local heads, with an optional KV cache.
+"""Causal grouped-query attention on one rank's local heads: the one entry point model files call.
 
-Shapes: q[B, T, Hq, hd], k/v[B, S, Hkv, hd], Hq = Hkv * G (the head plan keeps G
-uniform per rank). A query at position p sees keys at positions <= p (and, with a
-sliding window w, > p - w). Cache slots past a sequence's length hold stale values;
-they are never read, because writes happen before reads and the mask stops at p.
+    out, cache = attend(q, k, v, positions, cache, scale=..., window=...)
+
+* `cache is None`: dense causal attention over the given tokens (the full forward behind
+  `LLM.get_logits` and the golden tests).
+* `cache` a `LayerCache` (models/cache.py): the step's new k and v are written into the
+  paged pool at their slots, then every row of the step attends to its own blocks,
+  gathered through its block table (vLLM's `Attention` layer with a reference backend).
+
+Shapes (local, under shard_map): q[B, T, Hq, hd], k/v[B, T, Hkv, hd], Hq = Hkv * G (the head
+plan keeps G uniform per rank). A query at position p sees keys at positions <= p (and,
+with a sliding window w, > p - w).
+
+Paged step layout (see `PagedBatch`): the N tokens of a micro-batch are packed: D decode rows
+of one token each, then the prefill rows' tokens back to back (then padding). For attention
+the prefill tokens are gathered into P rows of T (`prefill_index`), so the dense layers never
+compute padding beyond N. A row's context is its blocks, read as positions
+0 .. W * block_size - 1; positions past the row's newest token are masked, so stale or padded
+blocks are never seen. Memory per layer is bounded by (tokens of a row) x (context): a
+prefill chunk never builds a [T, T] matrix over a whole prompt.
+
+`PAGED_BACKENDS` maps a name to an implementation with `paged_reference`'s signature; the
+reference (gather + masked softmax in jax.numpy) runs everywhere and is the oracle for any
+fused kernel registered for an accelerator.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
-
-
-def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """cache[B, S, H, hd] with new[B, T, H, hd] written at positions[B, T] (out of range: dropped)."""
-    b = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[b, positions].set(new.astype(cache.dtype), mode="drop")
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
@@ -33,3 +48,64 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, hq * hd)
+
+
+def write_pool(pool: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
+    """pool[L, NB, bs, H, hd] with new[N, H, hd] written at layer `layer`, flat slots[N] (< 0: skipped)."""
+    num_blocks, block_size = pool.shape[1], pool.shape[2]
+    slots = jnp.where(slots < 0, num_blocks * block_size, slots)               # out of range: dropped
+    return pool.at[layer, slots // block_size, slots % block_size].set(new.astype(pool.dtype), mode="drop")
+
+
+def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array) -> jax.Array:
+    """The context of each row: pool[layer, tables[R, W]] -> [R, W * bs, H, hd] (one gather, no slice copy)."""
+    rows = pool[layer, tables]                                                 # [R, W, bs, H, hd]
+    r, w, bs, h, hd = rows.shape
+    return rows.reshape(r, w * bs, h, hd)
+
+
+def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
+                    decode_tables: jax.Array, prefill_tables: jax.Array, prefill_index: jax.Array, scale: float,
+                    window: int | None) -> jax.Array:
+    """q[N, Hq, hd] (decode rows first, then packed prefill tokens) over the pool -> [N, Hq * hd].
+
+    prefill_index[P, T]: the flat token of each prefill row slot (N for padding).
+    """
+    d, p = decode_tables.shape[0], prefill_tables.shape[0]
+    n, hq, hd = q.shape
+    out = jnp.zeros((n, hq * hd), q.dtype)
+    if d:
+        k = gather_rows(k_pool, layer, decode_tables)
+        v = gather_rows(v_pool, layer, decode_tables)
+        dec = attention(q[:d, None], k, v, positions[:d, None], jnp.arange(k.shape[1]), scale, window)[:, 0]
+        out = out.at[:d].set(dec)
+    if p:
+        k = gather_rows(k_pool, layer, prefill_tables)
+        v = gather_rows(v_pool, layer, prefill_tables)
+        q_rows = jnp.take(q, prefill_index, axis=0, mode="fill", fill_value=0)          # [P, T, Hq, hd]
+        pos_rows = jnp.take(positions, prefill_index, axis=0, mode="fill", fill_value=0)
+        pre = attention(q_rows, k, v, pos_rows, jnp.arange(k.shape[1]), scale, window)  # [P, T, Hq * hd]
+        out = out.at[prefill_index].set(pre, mode="drop")
+    return out
+
+
+PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference}
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache=None, *, scale: float,
+           window: int | None = None):
+    """Attention of q[B, T, Hq, hd] over k/v[B, T, Hkv, hd] (cache None) or over the paged pool.
+
+    Returns (out[B, T, Hq * hd], cache), the cache with this step's k and v written.
+    """
+    if cache is None:
+        return attention(q, k, v, positions, positions, scale, window), None
+    impl = PAGED_BACKENDS[cache.backend]
+    batch = cache.batch
+    k_pool, v_pool, outs = cache.k, cache.v, []
+    for b in range(q.shape[0]):                    # B is 1 inside the pipeline (one micro-batch)
+        k_pool = write_pool(k_pool, cache.layer, batch.slots[b], k[b])
+        v_pool = write_pool(v_pool, cache.layer, batch.slots[b], v[b])
+        outs.append(impl(q[b], k_pool, v_pool, cache.layer, positions[b], batch.decode_tables[b],
+                         batch.prefill_tables[b], batch.prefill_index[b], scale, window))
+    return jnp.stack(outs), cache.replace(k=k_pool, v=v_pool)

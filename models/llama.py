@@ -6,7 +6,9 @@
       h += down_proj(silu(gate) * up)                  merged column -> row (all-reduce)
     logits = lm_head(norm(h))                          vocab-parallel, all-gathered
 
-Everything below runs inside `shard_map` on local shapes; see `forward_fn`.
+Everything below runs inside `shard_map` on local shapes. With a paged KV cache
+(models/cache.py) attention writes this step's keys and values into the pool and reads each
+row's blocks (models/attention.py); without one it is a full causal forward.
 Qwen2, Qwen3 and Mistral subclass these pieces (models/qwen2.py, qwen3.py, mistral.py).
 
 The end of the file holds what the loader needs besides the modules: `LlamaConfig` and
@@ -27,14 +29,14 @@ from tp_jax.parallel.layers import (Entry, MergedColumnParallelLinear, ParallelL
                                     RowParallelLinear, VocabParallelEmbedding, WeightTable)
 from tp_jax.parallel.layers.loading import expand_heads
 from tp_jax.parallel.layers.norm import RMSNorm
-from tp_jax.models.attention import attention, write_cache
+from tp_jax.models.attention import attend
+from tp_jax.models.cache import KVCache, KVLayout, LayerCache, run_layers
 from tp_jax.models.config import REQUIRED, ModelConfig, UnsupportedConfigError, eos_ids, read_fields
 from tp_jax.models.registry import first_architecture, register
 from tp_jax.models.rope import ROPE_FIELDS, RopeConfig, apply_rope, inv_freq, rope_from_hf
 from tp_jax.parallel.layers.stack import Stack
-from tp_jax.parallel.pipeline import run_pipeline, stage_layer_map
-
-Cache = tuple[jax.Array, jax.Array]          # k, v: [L, B, S, kv_local, hd] each
+from tp_jax.parallel.heads import plan_heads
+from tp_jax.parallel.pipeline import stage_layer_map
 
 
 class LlamaAttention(nnx.Module):
@@ -64,17 +66,10 @@ class LlamaAttention(nnx.Module):
         freq = np.asarray(self.freq, np.float32)
         return apply_rope(q, positions, freq), apply_rope(k, positions, freq), v
 
-    def __call__(self, x, positions, kv: Cache | None, attend_cache: bool):
+    def __call__(self, x, positions, cache: LayerCache | None):
         q, k, v = self.qkv(x, positions)
-        if kv is not None:
-            kv = write_cache(kv[0], k, positions), write_cache(kv[1], v, positions)
-        if attend_cache:
-            k, v = kv
-            k_pos = jnp.arange(k.shape[1])
-        else:
-            k_pos = positions
-        out = attention(q, k, v, positions, k_pos, self.scale, self.window)
-        return self.o_proj(out), kv
+        out, cache = attend(q, k, v, positions, cache, scale=self.scale, window=self.window)
+        return self.o_proj(out), cache
 
 
 class LlamaMLP(nnx.Module):
@@ -100,10 +95,10 @@ class LlamaDecoderLayer(nnx.Module):
                                                 rngs=rngs)
         self.mlp = LlamaMLP(cfg, tp, dtype, rngs)
 
-    def __call__(self, h, positions, kv: Cache | None, attend_cache: bool):
-        a, kv = self.self_attn(self.input_layernorm(h), positions, kv, attend_cache)
+    def __call__(self, h, positions, cache: LayerCache | None):
+        a, cache = self.self_attn(self.input_layernorm(h), positions, cache)
         h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h)), kv
+        return h + self.mlp(self.post_attention_layernorm(h)), cache
 
 
 class LlamaModel(nnx.Module):
@@ -116,21 +111,26 @@ class LlamaModel(nnx.Module):
         self.layers = Stack(lambda r: self.layer_cls(cfg, tp, dtype, r), len(self.layer_map), rngs)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
 
-    def __call__(self, ids, positions, kv: Cache | None = None, attend_cache: bool = False, microbatches: int = 1):
-        def stage(h, pos, kv):                                    # this pp stage's layers, scanned
-            return self.layers(lambda layer, h, kv_i: layer(h, pos, kv_i, attend_cache), h, kv)
-
-        h, kv = run_pipeline(stage, self.embed_tokens(ids), positions, kv, microbatches)
-        return self.norm(h), kv
+    def __call__(self, ids, positions, cache: KVCache | None = None, microbatches: int = 1):
+        h, cache = run_layers(self.layers, self.embed_tokens(ids), positions, cache, microbatches)
+        return self.norm(h), cache
 
 
 class LlamaForCausalLM(nnx.Module):
-    """ids[B, T], positions[B, T] (+ a KV cache) -> logits[B, T, V] (local shapes, under shard_map)."""
+    """ids[B, T], positions[B, T] (+ a paged KV cache) -> logits[B, T, V] (local shapes, under shard_map).
+
+    The contract the engine relies on (keyword-only past the inputs):
+      hidden_states(ids, positions, cache=None, *, microbatches=1) -> (h[B, T, D], cache)
+      logits(h[..., D]) -> [..., V]                  (all-gathered over tp)
+      kv_layout() -> KVLayout                        (the pool this model needs)
+      config, dtype, layer_map
+    """
     model_cls = LlamaModel
 
     def __init__(self, cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
         self.tp_size, self.pp_size = tp_size, pp_size
+        self.dtype = np.dtype(dtype)
         self.model = self.model_cls(cfg, tp_size, dtype, rngs, pp_size)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -142,14 +142,21 @@ class LlamaForCausalLM(nnx.Module):
         """Stacked layer slot -> HF layer index (-1: identity padding for pp), for the loader."""
         return self.model.layer_map
 
+    def kv_layout(self) -> KVLayout:
+        plan = plan_heads(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
+        return KVLayout(len(self.layer_map), plan.padded_kv_heads, self.config.head_dim, self.dtype)
+
+    def hidden_states(self, ids, positions, cache: KVCache | None = None, *, microbatches: int = 1):
+        return self.model(ids, positions, cache, microbatches)
+
     def logits(self, h: jax.Array) -> jax.Array:
         if self.lm_head is None:
             return self.model.embed_tokens.attend(h)
         return self.lm_head(h)
 
-    def __call__(self, ids, positions, kv: Cache | None = None, attend_cache: bool = False, microbatches: int = 1):
-        h, kv = self.model(ids, positions, kv, attend_cache, microbatches)
-        return self.logits(h), kv
+    def __call__(self, ids, positions, cache: KVCache | None = None, *, microbatches: int = 1):
+        h, cache = self.hidden_states(ids, positions, cache, microbatches=microbatches)
+        return self.logits(h), cache
 
 
 def llama_model_with(attention: type[LlamaAttention]) -> type[LlamaModel]:

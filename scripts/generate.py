@@ -100,7 +100,7 @@ def run(args) -> int:
                               "finish_reason": o.finish_reason, "logprobs": o.logprobs}))
         elif not args.stream:
             print(f"--- prompt {i}: {read_prompts(args)[i]!r}\n{o.text}")
-    stats.kv_cache_bytes_per_device = llm.engine.stats["kv_cache_bytes_per_device"]
+    stats.kv_cache_bytes_per_device = llm.engine.core.pool.bytes_per_device
     if is_driver():
         print(stats.line(), file=sys.stderr if args.json else sys.stdout)
     return 0

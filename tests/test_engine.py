@@ -5,12 +5,10 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
 from tests.tiny_models import hf_greedy, make_checkpoint, make_tokenized_checkpoint
-from tp_jax.serving.kv_cache import cache_shape, new_cache
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
@@ -50,34 +48,23 @@ def test_greedy_equals_transformers(hf_refs, name, tp, dp):
 
 
 @pytest.mark.parametrize("tp", [1, 4, 8])
-def test_cached_decode_equals_uncached_forward(hf_refs, tp):
-    """Every step's logits from prefill + cached decode == the full forward of the whole sequence."""
+def test_paged_decode_equals_uncached_forward(hf_refs, tp):
+    """Every generated token's logprob (paged prefill, then paged decode) == log_softmax of the full forward."""
     path, _ = hf_refs["h9kv3"]
-    llm = LLM(path, tensor_parallel_size=tp, progress=False)
-    eng = llm.engine
-    lengths = np.array([len(p) for p in PROMPTS[:2]], np.int32)
-    ids = np.zeros((2, 16), np.int32)
-    for i, p in enumerate(PROMPTS[:2]):
-        ids[i, :len(p)] = p
-    cache = new_cache(cache_shape(llm.config, tp, 2, 64, np.float32), llm.mesh)
-    pos = np.broadcast_to(np.arange(16, dtype=np.int32), ids.shape)
-    logits, cache = jax.jit(eng.prefill_logits)(eng.state, ids, pos, lengths, cache)
-    seqs, steps = [list(p) for p in PROMPTS[:2]], [[], []]
-    decode = jax.jit(eng.decode_logits)
-    for _ in range(8):
-        for i, s in enumerate(seqs):
-            steps[i].append(np.asarray(logits[i]))
-            s.append(int(np.argmax(logits[i])))
-        tokens = np.array([s[-1] for s in seqs], np.int32)
-        positions = np.array([len(s) - 1 for s in seqs], np.int32)
-        logits, cache = decode(eng.state, tokens, positions, cache)
-    for i, s in enumerate(seqs):                 # causal: position t of the full forward is step t
-        full = llm.get_logits([s[:-1]])[0, lengths[i] - 1:]
-        worst = float(np.abs(np.stack(steps[i]) - full).max())
+    llm = LLM(path, tensor_parallel_size=tp, block_size=4, progress=False)       # several blocks per sequence
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=9, temperature=0.0, logprobs=1))
+    for p, o in zip(PROMPTS[:2], outs):
+        toks = o.outputs[0].token_ids
+        full = llm.get_logits([p + toks[:-1]])[0, len(p) - 1:]
+        ref = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+            full.max(-1, keepdims=True)
+        got = np.array([lp[t] for t, lp in zip(toks, o.outputs[0].logprobs)])
+        worst = float(np.abs(got - ref[np.arange(len(toks)), toks]).max())
         assert worst <= 1e-4, worst
+        assert toks == [int(np.argmax(r)) for r in full]
 
 
-def test_finished_sequences_are_compacted_away(hf_refs):
+def test_finished_sequences_leave_at_once(hf_refs):
     path, refs = hf_refs["gqa"]
     llm = LLM(path, tensor_parallel_size=2, progress=False)
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (2, 12, 3)] + [
@@ -86,7 +73,10 @@ def test_finished_sequences_are_compacted_away(hf_refs):
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 12, 3, 1]
     assert outs[1].outputs[0].token_ids == refs[1]
     assert outs[0].outputs[0].token_ids == refs[0][:2]
-    assert llm.engine.stats["compactions"] >= 1
+    core = llm.engine.core
+    assert core.stats["steps"] == 12                                    # the longest request's tokens
+    assert {s.decode_rows for s in core.runner.compiled_shapes} >= {1, 2}   # the batch shrank as they left
+    assert sum(b.num_used for b in core.scheduler.blocks) == 0
 
 
 def test_logprobs_match_forward(hf_refs):
@@ -141,7 +131,7 @@ def test_stop_strings_stop_ids_and_streaming(tokenized):
 def test_eos_ends_generation(tokenized):
     llm = LLM(tokenized, progress=False)
     base = llm.generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].outputs[0]
-    llm.engine.eos = (base.token_ids[2],)                 # pretend the model's EOS is the third token
+    llm.engine.core.eos = frozenset({base.token_ids[2]})   # pretend the model's EOS is the third token
     out = llm.generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0]
     assert out.token_ids == base.token_ids[:base.token_ids.index(base.token_ids[2]) + 1]
     assert out.finish_reason == "stop" and out.stop_reason is None
@@ -158,13 +148,18 @@ def small(hf_refs):
     ([[]], r"prompt 0 is empty"),
     ([""], r"prompt 0 is an empty string"),
     ([list(range(40))], r"prompt 0 has 40 tokens, but max_model_len=32"),
-    ([[1]] * 5, r"5 prompts exceed max_num_seqs=4"),
     ([[1, 5000]], r"outside \[0, 1000\)"),
     ([], r"no prompts given"),
 ])
 def test_bad_prompts(small, prompts, msg):
     with pytest.raises(ValueError, match=msg):
         small.generate(prompts, GREEDY)
+
+
+def test_more_prompts_than_max_num_seqs_queue(small, hf_refs):
+    outs = small.generate(PROMPTS + PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_refs["gqa"][1] * 2
+    assert small.engine.core.stats["max_running"] == 4
 
 
 def test_bad_sampling_values():

@@ -8,6 +8,7 @@ import pytest
 
 from tests.hlo import count, loop_bodies
 from tests.tiny_models import hf_greedy, hf_logits, make_checkpoint
+from tests.workload import mixed_workload, run_workload
 from tp_jax.serving.llm import LLM
 from tp_jax.parallel.pipeline import bubble_fraction, choose_microbatches, stage_layer_map
 from tp_jax.serving.sampling import SamplingParams
@@ -45,14 +46,31 @@ def deep(tmp_path_factory):
     return path, ids, hf_logits(path, ids), [hf_greedy(path, p, 8) for p in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def workload_refs(deep):
+    """The mixed workload's greedy requests by transformers; every request run alone, on one device."""
+    path = deep[0]
+    work = mixed_workload()
+    greedy = {rid: hf_greedy(path, p, sp.max_tokens) for rid, p, sp, _ in work if sp.greedy}
+    llm = LLM(path, progress=False)
+    alone = {rid: llm.generate([p], sp)[0].outputs[0].token_ids for rid, p, sp, _ in work}
+    return work, greedy, alone
+
+
 @pytest.mark.parametrize("dp,pp,tp", MESHES, ids=lambda v: str(v))
-def test_every_factorization(deep, dp, pp, tp):
+def test_every_factorization(deep, workload_refs, dp, pp, tp):
     path, ids, ref, greedy = deep
     llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, progress=False)
     diff = float(np.abs(llm.get_logits(ids) - ref).max())
     assert diff <= 1e-4, diff
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == greedy      # == transformers == (1, 1, 1)
+    # continuous batching: requests arrive while others run, greedy and seeded sampling mixed
+    work, hf, alone = workload_refs
+    got = run_workload(llm.engine, work)
+    assert got == alone                                           # == each request alone on one device
+    assert {rid: got[rid] for rid in hf} == hf                    # greedy == transformers
+    assert sum(b.num_used for b in llm.engine.core.scheduler.blocks) == 0
 
 
 def test_odd_batch_is_padded_for_dp(deep):

@@ -158,7 +158,7 @@ def is_driver() -> bool:
 
 # --- process 0's request, every process's agreement ---------------------------------------------
 
-def _broadcast_bytes(payload: bytes | None) -> bytes:
+def broadcast_bytes(payload: bytes | None) -> bytes:
     """Process 0's bytes on every process (two broadcasts: the length, then the bytes)."""
     from jax.experimental import multihost_utils as mh
     n = int(mh.broadcast_one_to_all(np.int32(len(payload) if payload is not None else 0)))
@@ -180,7 +180,7 @@ def share_from_driver(make: Callable[[], Any]) -> Any:
             payload = json.dumps({"value": make()}).encode()
         except Exception as e:                            # sent to everyone, then raised
             payload = json.dumps({"error": type(e).__name__, "message": str(e)}).encode()
-    msg = json.loads(_broadcast_bytes(payload))
+    msg = json.loads(broadcast_bytes(payload))
     if "error" in msg:
         kind = {"TypeError": TypeError, "KeyError": KeyError}.get(msg["error"], ValueError)
         raise kind(f"{msg['message']} (raised on the driver, process 0)")

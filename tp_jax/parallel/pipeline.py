@@ -58,15 +58,17 @@ def choose_microbatches(local_batch: int, requested: int) -> int:
     return max(m for m in range(1, min(requested, local_batch) + 1) if local_batch % m == 0)
 
 
-def run_pipeline(stack_fn: Callable, h: jax.Array, rows, kv, microbatches: int):
+def run_pipeline(stage_fn: Callable, h: jax.Array, rows, shared, microbatches: int):
     """h[B, ...] through every stage's layers; `rows` (leaves [B, ...]) go with their micro-batch.
 
-    stack_fn(h_mb, rows_mb, kv_mb) -> (h_mb, kv_mb) runs this stage's local layers; kv leaves
-    are [L_local, B, ...] (batch on axis 1) or None.
+    stage_fn(h_mb, rows_mb, shared, valid) -> (h_mb, shared) runs this stage's local layers.
+    `shared` (e.g. a KV pool, or None) is threaded through every step; `valid` is False on the
+    stage's idle steps of the schedule, where stage_fn must leave `shared` unchanged (it is
+    the Python value True when there is no schedule: pp = 1 and one micro-batch).
     """
     pp = collectives.axis_size(PP)
     if pp == 1 and microbatches == 1:
-        return stack_fn(h, rows, kv)
+        return stage_fn(h, rows, shared, True)
     stage = collectives.axis_index(PP)
     m_total, b = microbatches, h.shape[0]
     mb = b // m_total
@@ -77,13 +79,9 @@ def run_pipeline(stack_fn: Callable, h: jax.Array, rows, kv, microbatches: int):
         m = jnp.clip(t - stage, 0, m_total - 1)
         valid = (t - stage >= 0) & (t - stage < m_total)
         x = jnp.where(stage == 0, h_in[min(t, m_total - 1)], state)
-        kv_m = None if kv is None else jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, m * mb, mb, 1), kv)
-        y, kv_new = stack_fn(x, jax.tree.map(lambda r: r[m], rows_in), kv_m)
-        if kv is not None:
-            kv = jax.tree.map(lambda c, old, new: jax.lax.dynamic_update_slice_in_dim(
-                c, jnp.where(valid, new, old), m * mb, 1), kv, kv_m, kv_new)
+        y, shared = stage_fn(x, jax.tree.map(lambda r: r[m], rows_in), shared, valid)
         if t >= pp - 1:
             out = out.at[t - pp + 1].set(jnp.where(stage == pp - 1, y, out[t - pp + 1]))
         state = collectives.send_to_next(y, PP)
     out = collectives.all_reduce(jnp.where(stage == pp - 1, out, jnp.zeros_like(out)), PP)
-    return out.reshape(b, *h.shape[1:]), kv
+    return out.reshape(b, *h.shape[1:]), shared

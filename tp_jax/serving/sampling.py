@@ -101,8 +101,6 @@ class SamplingParams:
             value = getattr(self, name)
             if not (value is None and name in _OPTIONAL):
                 object.__setattr__(self, name, _checked(name, value, integer, ok, allowed))
-        if self.n != 1:
-            raise ValueError(f"SamplingParams: n={self.n} is not supported yet (only n=1)")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams: {name}={getattr(self, name)!r} must be a bool")
@@ -135,23 +133,45 @@ class SamplingTensors(NamedTuple):
         do not depend on its position in the batch; they default to the row index.
         """
         seq_ids = range(len(params)) if seq_ids is None else seq_ids
-        f32 = lambda name: jnp.asarray([getattr(p, name) for p in params], jnp.float32)
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
-        return cls(f32("temperature"), f32("top_p"), jnp.asarray(top_k, jnp.int32), f32("min_p"),
-                   f32("repetition_penalty"), f32("presence_penalty"), f32("frequency_penalty"),
-                   _row_keys(params, engine_seed, seq_ids))
+        words = [key_words(p.seed, (engine_seed, sid)) for p, sid in zip(params, seq_ids, strict=True)]
+        return cls.from_rows(jnp.asarray([row_floats(p) for p in params], jnp.float32).reshape(-1, len(ROW_FLOATS)),
+                             jnp.asarray([row_top_k(p, vocab_size) for p in params], jnp.int32),
+                             jnp.asarray(np.array(words, np.uint32).reshape(-1, 3)))
+
+    @classmethod
+    def from_rows(cls, floats: jax.Array, top_k: jax.Array, words: jax.Array) -> SamplingTensors:
+        """From packed rows (jittable): floats[B, 6] in ROW_FLOATS order, top_k[B], key words u32[B, 3]."""
+        f = {name: floats[:, i] for i, name in enumerate(ROW_FLOATS)}
+        return cls(f["temperature"], f["top_p"], top_k, f["min_p"], f["repetition_penalty"],
+                   f["presence_penalty"], f["frequency_penalty"], _keys_from_words(words))
 
 
-def _row_keys(params, engine_seed: int, seq_ids) -> jax.Array:
-    """key[B]: fold_in(fold_in(key(lo), hi), tag); tag 0 = the request's seed, 1 = engine-derived."""
-    words = []
-    for p, sid in zip(params, seq_ids, strict=True):
-        if p.seed is None:
-            words.append((engine_seed % 2**32, sid % 2**32, 1))
-        else:
-            s = p.seed % 2**64                    # negative and 64-bit seeds keep all their bits
-            words.append((s % 2**32, s >> 32, 0))
-    return _keys_from_words(jnp.asarray(np.array(words, np.uint32).reshape(-1, 3)))
+ROW_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+GREEDY_ROW = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)          # the floats of a padding row
+
+
+def row_floats(p: SamplingParams) -> tuple[float, ...]:
+    return tuple(float(getattr(p, name)) for name in ROW_FLOATS)
+
+
+def row_top_k(p: SamplingParams, vocab_size: int) -> int:
+    """top_k as the sampler takes it: 0 = off (also for -1 and k >= vocab)."""
+    return p.top_k if 0 < p.top_k < vocab_size else 0
+
+
+def key_words(seed: int | None, unseeded: tuple[int, int]) -> tuple[int, int, int]:
+    """A row's PRNG key as three uint32 words: fold_in(fold_in(key(w0), w1), w2).
+
+    From `seed` (all 64 bits; w2 = 0), else from the two words `unseeded` (e.g. 64 fresh
+    random bits drawn per request; w2 = 1)."""
+    if seed is None:
+        return unseeded[0] % 2**32, unseeded[1] % 2**32, 1
+    s = seed % 2**64                    # negative and 64-bit seeds keep all their bits
+    return s % 2**32, s >> 32, 0
+
+
+def has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
 
 
 @jax.jit

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from tp_jax.parallel.layers.base import show_init_signature
@@ -23,8 +24,8 @@ class Stack(nnx.Module):
       num_layers: N (>= 1).
       rngs: `nnx.Rngs`, split per layer.
 
-    `stack(fn, h, xs)` scans `h, y_i = fn(layer_i, h, xs_i)` over the local layers and returns
-    (h, ys). In a name table, a stacked param's path is "<stack path>.layers.<param>" and its
+    `stack(fn, h, carry)` scans `h, carry = fn(layer_i, i, h, carry)` over the local layers and
+    returns (h, carry). In a name table, a stacked param's path is "<stack path>.layers.<param>" and its
     checkpoint names carry `{i}` for the layer index.
     """
 
@@ -40,16 +41,20 @@ class Stack(nnx.Module):
         self.layers = build(rngs)
         self.num_layers = num_layers
 
-    def __call__(self, fn: Callable, h: jax.Array, carry_xs=None):
-        """Scan `h = fn(layer, h, xs_i)` over the local layers; `carry_xs` is per-layer data ([L, ...])."""
+    def __call__(self, fn: Callable, h: jax.Array, carry=None):
+        """Scan `h, carry = fn(layer, index, h, carry)` over the local layers (index: this rank's slot).
+
+        `carry` is threaded through every layer (e.g. a KV pool each layer writes in place).
+        """
         graphdef, state = nnx.split(self.layers)
 
-        def body(h, xs):
-            layer_state, x_i = xs
-            h, y_i = fn(nnx.merge(graphdef, layer_state), h, x_i)
-            return h, y_i
+        def body(c, xs):
+            layer_state, index = xs
+            return fn(nnx.merge(graphdef, layer_state), index, *c), None
 
-        return jax.lax.scan(body, h, (state, carry_xs))
+        num_local = jax.tree.leaves(state)[0].shape[0]
+        (h, carry), _ = jax.lax.scan(body, (h, carry), (state, jnp.arange(num_local, dtype=jnp.int32)))
+        return h, carry
 
 
 show_init_signature(Stack)

@@ -1,0 +1,104 @@
+"""The paged KV cache as a model sees it, and the runner of a model's stacked layers.
+
+The serving engine (tp_jax/serving) owns the pool and the block tables; a model receives
+them as a `KVCache` and needs to know nothing else:
+
+    KVCache   k, v: [L_local, num_blocks, block_size, kv_local, hd] (this rank's pool) + a PagedBatch
+    PagedBatch, per micro-batch row b (leading axis B):
+              slots[B, N]              flat slot (block * block_size + offset) of each token's k/v; -1: none
+              decode_tables[B, D, Wd]  block table of each decode row (tokens 0 .. D-1, one each)
+              prefill_tables[B, P, Wp] block table of each prefill row
+              prefill_index[B, P, T]   the flat tokens of each prefill row, in order (N: padding)
+    LayerCache  one layer's view inside the scan: the pool, the layer index, the batch
+
+`run_layers(stack, h, positions, cache, microbatches)` runs every local layer of a `Stack`
+(each `layer(h, positions, layer_cache) -> (h, layer_cache)`) across the pipeline stages,
+threading the pool through the scan so each layer writes its slots in place. `KVLayout`
+is what a model tells the engine about the cache it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tp_jax.parallel.layers.stack import Stack
+from tp_jax.parallel.pipeline import run_pipeline
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """The pool a model needs: [num_layers, blocks, block_size, kv_heads, head_dim] for k and for v.
+
+    num_layers counts the stacked slots (padded for pp); kv_heads is global (tp * kv_local,
+    from the head plan), so the pool shards on tp exactly like the model's KV heads.
+    """
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: np.dtype
+
+
+def _pytree(data: tuple[str, ...], meta: tuple[str, ...] = ()):
+    def wrap(cls):
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        cls.replace = lambda self, **kw: dataclasses.replace(self, **kw)
+        return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+    return wrap
+
+
+@_pytree(("slots", "decode_tables", "prefill_tables", "prefill_index"))
+class PagedBatch:
+    slots: jax.Array
+    decode_tables: jax.Array
+    prefill_tables: jax.Array
+    prefill_index: jax.Array
+
+    def masked(self, valid) -> PagedBatch:
+        """No writes when `valid` is False (a pipeline stage's idle step)."""
+        if valid is True:
+            return self
+        return self.replace(slots=jnp.where(valid, self.slots, -1))
+
+
+@_pytree(("k", "v", "batch"), ("backend",))
+class KVCache:
+    k: jax.Array
+    v: jax.Array
+    batch: PagedBatch
+    backend: str = "reference"
+
+
+@_pytree(("k", "v", "layer", "batch"), ("backend",))
+class LayerCache:
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array
+    batch: PagedBatch
+    backend: str = "reference"
+
+
+def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache | None = None,
+               microbatches: int = 1) -> tuple[jax.Array, KVCache | None]:
+    """h[B, T, D] through every layer of `stack` (pp stages, GPipe micro-batches); the pool written in place."""
+    rows = (positions, None if cache is None else cache.batch)
+    pools = None if cache is None else (cache.k, cache.v)
+    backend = "reference" if cache is None else cache.backend
+
+    def stage(h, rows, pools, valid):
+        pos, batch = rows
+        batch = None if batch is None else batch.masked(valid)
+
+        def layer_step(layer, index, h, pools):
+            if pools is None:
+                return layer(h, pos, None)[0], None
+            h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend))
+            return h, (lc.k, lc.v)
+
+        return stack(layer_step, h, pools)
+
+    h, pools = run_pipeline(stage, h, rows, pools, microbatches)
+    return h, None if cache is None else cache.replace(k=pools[0], v=pools[1])

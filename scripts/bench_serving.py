@@ -1,0 +1,182 @@
+"""Serving throughput and latency: tp_jax's engine vs transformers' continuous batching, one JSON line.
+
+    python scripts/bench_serving.py [--num-requests 64 --prompt-len 8 512 --output-len 8 256 --rate inf]
+                                    [--tp 1 --simulate-devices N] [--no-transformers] [--server URL]
+
+A fixed synthetic workload (seeded): random prompt token ids and output lengths drawn
+uniformly from the ranges, greedy, EOS ignored (every request makes exactly its output
+length); arrivals all at once (--rate inf) or Poisson at --rate requests/s. The same
+requests go to tp_jax's engine (in process, after a warm-up pass that compiles its step
+shapes; the prefix cache is reset before the timed pass) and to transformers'
+`generate_batch` machinery (its ContinuousBatchingManager on torch CPU, per-request output
+lengths, per-token timestamps). With --server, the workload is sent to a running
+OpenAI-compatible server instead (streaming completions; tp_jax or any other).
+
+Reported per engine: output tokens/s, requests/s, time to first token and time per output
+token (p50 / p99, seconds), and for tp_jax the KV blocks used at peak, preemptions, step
+count and compiled step shapes. `speedup` = tp_jax output tokens/s / transformers'.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[8, 512], metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, nargs=2, default=[8, 256], metavar=("MIN", "MAX"))
+    ap.add_argument("--rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at once)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--simulate-devices", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--server", default=None, help="base URL of a running OpenAI-compatible server")
+    return ap.parse_args(argv)
+
+
+def make_workload(args, vocab: int) -> list[dict]:
+    rng = np.random.default_rng(args.seed)
+    n = args.num_requests
+    gaps = np.zeros(n) if np.isinf(args.rate) else rng.exponential(1 / args.rate, n)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    out = []
+    for i in range(n):
+        plen = int(rng.integers(args.prompt_len[0], args.prompt_len[1] + 1))
+        out.append({"id": f"b{i}", "prompt": rng.integers(100, vocab - 100, plen).tolist(),
+                    "max_tokens": int(rng.integers(args.output_len[0], args.output_len[1] + 1)),
+                    "arrival": float(arrivals[i])})
+    return out
+
+
+def summarize(records: list[dict], wall: float) -> dict:
+    """records: {"arrival", "first", "done", "n"} in seconds (same clock); -> the reported figures."""
+    ttft = np.array([r["first"] - r["arrival"] for r in records])
+    tpot = np.array([(r["done"] - r["first"]) / (r["n"] - 1) for r in records if r["n"] > 1])
+    tokens = sum(r["n"] for r in records)
+    pct = lambda x, q: round(float(np.percentile(x, q)), 4) if len(x) else None
+    return {"output_tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(records) / wall, 3),
+            "wall_s": round(wall, 2), "output_tokens": tokens, "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99)}
+
+
+def run_ours(llm, work: list[dict]) -> tuple[dict, dict]:
+    from tp_jax.serving.sampling import SamplingParams
+    engine = llm.engine
+    pending = sorted(work, key=lambda w: w["arrival"])
+    records, peak_blocks = {}, 0
+    t0 = time.monotonic()
+    while pending or engine.has_unfinished():
+        now = time.monotonic() - t0
+        while pending and pending[0]["arrival"] <= now:
+            w = pending.pop(0)
+            engine.add_request(w["id"], w["prompt"], SamplingParams(max_tokens=w["max_tokens"], temperature=0.0,
+                                                                    ignore_eos=True), arrival_time=t0 + w["arrival"])
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0]["arrival"] - now))
+            continue
+        for out in engine.step():
+            if out.finished:
+                m = out.metrics
+                records[out.request_id] = {"arrival": m.arrival_time, "first": m.first_token_time,
+                                           "done": m.finished_time, "n": len(out.outputs[0].token_ids)}
+        peak_blocks = max(peak_blocks, sum(b.num_used for b in engine.core.scheduler.blocks))
+    wall = time.monotonic() - t0
+    return summarize(list(records.values()), wall), {"peak_kv_blocks": peak_blocks}
+
+
+def bench_ours(args, work):
+    from tp_jax import LLM
+    from tp_jax.serving.stats import CompileClock
+    CompileClock.start()
+    llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+              data_parallel_size=args.dp, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, progress=False)
+    t = time.monotonic()
+    run_ours(llm, work)                                   # warm-up: compiles the step shapes it needs
+    warm = time.monotonic() - t
+    core = llm.engine.core
+    core.reset_prefix_cache()
+    steps0, pre0, compile0 = core.stats["steps"], core.stats["preemptions"], CompileClock.total
+    summary, extra = run_ours(llm, work)
+    summary.update(extra, preemptions=core.stats["preemptions"] - pre0, steps=core.stats["steps"] - steps0,
+                   kv_pool_blocks=core.pool.num_blocks, compiled_step_shapes=len(core.runner.compiled_shapes),
+                   warmup_s=round(warm, 1), compile_s_in_timed_run=round(CompileClock.total - compile0, 2))
+    return llm, summary
+
+
+def bench_transformers(model_path: str, work: list[dict]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    kw = dict(gguf_file=os.path.basename(model_path)) if model_path.endswith(".gguf") else {}
+    path = os.path.dirname(model_path) if kw else model_path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa", **kw).eval()
+    cfg = GenerationConfig(max_new_tokens=max(w["max_tokens"] for w in work), do_sample=False, eos_token_id=-1,
+                           pad_token_id=0)
+    return _run_transformers(model, cfg, work)
+
+
+def _run_transformers(model, cfg, work) -> dict:
+    pending = sorted(work, key=lambda w: w["arrival"])
+    records = {}
+    with model.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=5) as manager:
+        t0 = time.perf_counter()
+        ids = {}
+        while pending or len(records) < len(work):
+            now = time.perf_counter() - t0
+            while pending and pending[0]["arrival"] <= now:
+                w = pending.pop(0)
+                rid = manager.add_request(w["prompt"], request_id=w["id"], max_new_tokens=w["max_tokens"],
+                                          record_timestamps=True)
+                ids[rid] = w
+            result = manager.get_result(timeout=0.05)
+            if result is not None and result.is_finished():
+                w = ids[result.request_id]
+                stamps = result.timestamps or []
+                first = stamps[0] - t0 if stamps else result.lifespan[1] - t0
+                records[result.request_id] = {"arrival": w["arrival"], "first": first,
+                                              "done": result.lifespan[1] - t0, "n": len(result.generated_tokens)}
+        wall = time.perf_counter() - t0
+    return summarize(list(records.values()), wall)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.simulate_devices:
+        from tp_jax.multihost.devices import simulate_cpu_devices
+        simulate_cpu_devices(args.simulate_devices)
+    import jax
+    if args.server:
+        from tp_jax.server.bench_client import bench_server
+        work = make_workload(args, vocab=int(os.environ.get("BENCH_VOCAB", "49152")))
+        print(json.dumps({"server": args.server, **bench_server(args.server, work)}))
+        return 0
+    from tp_jax.loaders.model import open_checkpoint
+    from tp_jax.loaders.default import default_model_path
+    model_path = default_model_path() if args.model is None else args.model
+    _, cfg = open_checkpoint(model_path)
+    work = make_workload(args, cfg.vocab_size)
+    result = {"model": os.path.basename(model_path), "platform": jax.default_backend(), "tp": args.tp, "pp": args.pp,
+              "dp": args.dp, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
+              "output_len": args.output_len, "rate": "inf" if np.isinf(args.rate) else args.rate}
+    llm, result["tp_jax"] = bench_ours(args, work)
+    if not args.no_transformers:
+        result["transformers"] = bench_transformers(llm.model_path, work)
+        result["speedup"] = round(result["tp_jax"]["output_tokens_per_s"]
+                                  / result["transformers"]["output_tokens_per_s"], 2)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Attention over pages (models/attention.py) against numpy attention over each sequence's own keys.
+
+Random pools and block tables: decode rows and prefill rows mixed in one flat batch, GQA,
+sliding windows, padding tokens that must not be written, stale data in unused slots that
+must never be read; and the compiled prefill chunk keeps per-layer memory at chunk x context.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tp_jax.models.attention import attend, write_pool
+from tp_jax.models.cache import LayerCache, PagedBatch
+
+BS, NB, HKV, G, HD = 4, 24, 2, 3, 8
+
+
+def np_attention(q, k, v, q_pos, scale, window=None):
+    """q[T, Hq, hd] at positions q_pos over k/v[S, Hkv, hd] at positions 0..S-1, causal."""
+    hq = q.shape[1]
+    kk = np.repeat(k, hq // k.shape[1], axis=1)
+    vv = np.repeat(v, hq // v.shape[1], axis=1)
+    s = np.einsum("thd,shd->hts", q, kk) * scale
+    kpos = np.arange(k.shape[0])
+    allowed = kpos[None] <= q_pos[:, None]
+    if window is not None:
+        allowed &= kpos[None] > q_pos[:, None] - window
+    s = np.where(allowed[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hts,shd->thd", p, vv).reshape(len(q), -1)
+
+
+def make_case(rng, rows, width, window):
+    """rows: [(context_before, new_tokens)], decode rows (new = 1) first. A pool with random old
+    keys, each row's own blocks, and the flat step."""
+    k_pool = rng.standard_normal((1, NB, BS, HKV, HD)).astype(np.float32)
+    v_pool = rng.standard_normal((1, NB, BS, HKV, HD)).astype(np.float32)
+    free = list(rng.permutation(NB))
+    d = sum(1 for c, n in rows if n == 1)
+    p = len(rows) - d
+    n_tok = d + sum(n for c, n in rows if n > 1) + 3                     # 3 padding tokens at the end
+    q = rng.standard_normal((n_tok, HKV * G, HD)).astype(np.float32)
+    k_new = rng.standard_normal((n_tok, HKV, HD)).astype(np.float32)
+    v_new = rng.standard_normal((n_tok, HKV, HD)).astype(np.float32)
+    pos, slots = np.zeros(n_tok, np.int32), np.full(n_tok, -1, np.int32)
+    tables = np.zeros((len(rows), 8), np.int32)
+    index = np.full((p, width), n_tok, np.int32)
+    spans, off = [], 0
+    for i, (ctx, new) in enumerate(rows):
+        blocks = [free.pop() for _ in range(-(-(ctx + new) // BS))]
+        tables[i, :len(blocks)] = blocks
+        if i >= d:
+            index[i - d, :new] = np.arange(off, off + new)
+        p_i = np.arange(ctx, ctx + new)
+        pos[off:off + new] = p_i
+        slots[off:off + new] = np.asarray(blocks)[p_i // BS] * BS + p_i % BS
+        spans.append((off, new, blocks, ctx))
+        off += new
+    batch = PagedBatch(jnp.asarray(slots)[None], jnp.asarray(tables[:d])[None], jnp.asarray(tables[d:])[None],
+                       jnp.asarray(index)[None])
+    return k_pool, v_pool, q, k_new, v_new, pos, batch, spans
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("rows,width", [
+    ([(3, 1), (9, 1), (0, 1)], 16),                 # decodes only
+    ([(0, 7), (5, 11)], 16),                        # prefill chunks only (the second after 5 cached)
+    ([(12, 1), (0, 16), (2, 9), (4, 1)], 16),       # mixed, decode rows first
+])
+def test_paged_equals_per_sequence_attention(rows, width, window):
+    rows = sorted(rows, key=lambda r: r[1] != 1)
+    rng = np.random.default_rng(len(rows) * 7 + width)
+    k_pool, v_pool, q, k_new, v_new, pos, batch, spans = make_case(rng, rows, width, window)
+    scale = HD ** -0.5
+    cache = LayerCache(jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.int32(0), batch)
+    out, cache = jax.jit(lambda q, k, v, p, c: attend(q, k, v, p, c, scale=scale, window=window))(
+        q[None], k_new[None], v_new[None], pos[None], cache)
+    out, kp, vp = np.asarray(out[0]), np.asarray(cache.k), np.asarray(cache.v)
+    written = np.zeros((NB, BS), bool)
+    for off, new, blocks, ctx in spans:
+        # the row's whole context: old keys from its blocks, then its new keys
+        keys = np.concatenate([k_pool[0, b] for b in blocks])[:ctx]
+        vals = np.concatenate([v_pool[0, b] for b in blocks])[:ctx]
+        keys = np.concatenate([keys, k_new[off:off + new]])
+        vals = np.concatenate([vals, v_new[off:off + new]])
+        ref = np_attention(q[off:off + new], keys, vals, pos[off:off + new], scale, window)
+        np.testing.assert_allclose(out[off:off + new], ref, atol=2e-5, rtol=1e-5)
+        for j in range(new):                       # written at its slots
+            b, o = blocks[(ctx + j) // BS], (ctx + j) % BS
+            np.testing.assert_array_equal(kp[0, b, o], k_new[off + j])
+            written[b, o] = True
+    np.testing.assert_array_equal(kp[0][~written], k_pool[0][~written])     # padding wrote nothing
+    np.testing.assert_array_equal(vp[0][~written], v_pool[0][~written])
+
+
+def test_write_pool_drops_negative_slots():
+    pool = jnp.zeros((2, 3, BS, 1, 2))
+    new = jnp.ones((3, 1, 2))
+    out = write_pool(pool, jnp.int32(1), jnp.asarray([5, -1, 0]), new)
+    assert float(out.sum()) == 4.0 and float(out[1, 1, 1].sum()) == 2.0 and float(out[1, 0, 0].sum()) == 2.0
+
+
+def test_a_prefill_chunk_never_builds_a_whole_prompt_score_matrix():
+    """Scores are [rows, heads, chunk, context]: a 64-token chunk over a 1024-token context."""
+    nb, chunk, ctx = 72, 64, 1024
+    k_pool = jnp.zeros((1, nb, BS, HKV, HD))
+    batch = PagedBatch(jnp.zeros((1, chunk), jnp.int32), jnp.zeros((1, 0, ctx // BS), jnp.int32),
+                       jnp.zeros((1, 1, ctx // BS), jnp.int32), jnp.arange(chunk, dtype=jnp.int32)[None, None])
+    q = jnp.zeros((1, chunk, HKV * G, HD))
+    kv = jnp.zeros((1, chunk, HKV, HD))
+    f = jax.jit(lambda q, k, v, p, c: attend(q, k, v, p, c, scale=1.0)[0])
+    hlo = f.lower(q, kv, kv, jnp.zeros((1, chunk), jnp.int32), LayerCache(k_pool, k_pool, jnp.int32(0), batch)
+                  ).compile().as_text()
+    sizes = [np.prod([int(d) for d in m.split(",") if d]) for m in re.findall(r"f32\[([\d,]*)\]", hlo)]
+    assert max(sizes) <= HKV * G * chunk * ctx           # the scores of one chunk, nothing bigger
+    assert max(sizes) >= HKV * G * chunk * ctx // 2

@@ -1,0 +1,208 @@
+"""Continuous batching on the real engine (tiny model): arrival order, preemption, prefix caching,
+abort, no leaked blocks over 1,000 requests, n > 1, fresh randomness, the asyncio wrapper, bad input.
+Exactness at every (dp, pp, tp) factorization is in test_pipeline.py."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import make_checkpoint
+from tests.workload import mixed_workload, run_workload
+from tp_jax.serving.async_engine import AsyncLLMEngine
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_checkpoint("gqa", str(tmp_path_factory.mktemp("serving")))
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    return LLM(path, tensor_parallel_size=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    return {rid: llm.generate([p], sp)[0].outputs[0].token_ids for rid, p, sp, _ in mixed_workload()}
+
+
+def used_blocks(llm) -> int:
+    return sum(b.num_used for b in llm.engine.core.scheduler.blocks)
+
+
+def test_arrival_order_and_batch_do_not_change_outputs(llm, alone):
+    work = mixed_workload()
+    assert run_workload(llm.engine, work) == alone
+    reversed_arrivals = [(rid, p, sp, 9 - t) for rid, p, sp, t in work]
+    assert run_workload(llm.engine, reversed_arrivals) == alone
+    together = llm.generate([p for _, p, _, _ in work], [sp for _, _, sp, _ in work])
+    assert [o.outputs[0].token_ids for o in together] == [alone[rid] for rid, *_ in work]
+
+
+def test_a_pool_too_small_preempts_and_loses_nothing(path, alone):
+    small = LLM(path, tensor_parallel_size=2, num_gpu_blocks=8, block_size=16, max_model_len=128, progress=False)
+    work = mixed_workload()                          # needs ~13 blocks at once; the pool has 8
+    got = run_workload(small.engine, work)
+    assert got == alone
+    assert all(len(got[rid]) == sp.max_tokens for rid, _, sp, _ in work)
+    assert small.engine.core.stats["preemptions"] > 0
+    assert used_blocks(small) == 0
+
+
+def test_prefix_caching_reuses_a_shared_prompt(path):
+    rng = np.random.default_rng(5)
+    system = rng.integers(0, 1000, 70).tolist()                  # 4 full blocks of 16 shared
+    prompts = [system + rng.integers(0, 1000, 5).tolist() for _ in range(4)]
+    outs = {}
+    for caching in (True, False):
+        llm = LLM(path, enable_prefix_caching=caching, progress=False)
+        first = llm.generate([prompts[0]], GREEDY)[0]
+        rest = llm.generate(prompts[1:], GREEDY)
+        outs[caching] = ([first] + rest, llm.engine.core.stats["scheduled_tokens"], llm.engine.core)
+    (cached, work_cached, core), (plain, work_plain, _) = outs[True], outs[False]
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]
+    assert [o.num_cached_tokens for o in cached] == [0, 64, 64, 64]
+    assert [o.num_cached_tokens for o in plain] == [0, 0, 0, 0]
+    assert work_plain - work_cached == 3 * 64                    # the shared blocks were not recomputed
+    assert core.prefix_cache_hit_rate() == pytest.approx(3 * 64 / (4 * 75))
+
+
+def test_abort_frees_the_request_blocks(llm):
+    engine = llm.engine
+    engine.add_request("keep", [1, 2, 3, 4, 5], SamplingParams(max_tokens=20, temperature=0.0))
+    engine.add_request("drop", list(range(10, 50)), SamplingParams(max_tokens=20, temperature=0.0))
+    for _ in range(3):
+        engine.step()
+    before = used_blocks(llm)
+    table = len(engine.core.scheduler.blocks[0].table(engine.processor.child_ids("drop")[0]))
+    final = engine.abort("drop")
+    assert final.finished and final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) == 3
+    assert used_blocks(llm) == before - table
+    while engine.has_unfinished():
+        outs = engine.step()
+    assert outs[0].request_id == "keep" and outs[0].outputs[0].token_ids == \
+        llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=20, temperature=0.0))[0].outputs[0].token_ids
+    assert engine.abort("drop") is None and engine.abort("nobody") is None
+    assert used_blocks(llm) == 0
+
+
+def test_a_thousand_requests_leak_no_blocks(path):
+    llm = LLM(path, max_num_seqs=64, num_gpu_blocks=40, block_size=4, max_model_len=64, progress=False)
+    engine, rng = llm.engine, np.random.default_rng(9)
+    done, aborted, added = set(), set(), 0
+    while added < 1000 or engine.has_unfinished():
+        for _ in range(int(rng.integers(0, 40)) if added < 1000 else 0):
+            engine.add_request(f"q{added}", rng.integers(0, 1000, int(rng.integers(1, 12))).tolist(),
+                               SamplingParams(max_tokens=int(rng.integers(1, 5)), temperature=0.0))
+            added += 1
+        for out in engine.step():
+            if out.finished:
+                done.add(out.request_id)
+        if rng.random() < 0.2 and engine.processor.states:
+            victim = sorted(engine.processor.states)[0]
+            engine.abort(victim)
+            aborted.add(victim)
+    assert len(done | aborted) == 1000 and not (done & aborted)
+    core = engine.core
+    assert used_blocks(llm) == 0 and not core.requests and core.scheduler.num_running == 0
+    bm = core.scheduler.blocks[0]
+    assert sorted(bm.free_queue) == list(range(bm.num_blocks)) and not bm.tables
+    assert sorted(core.free_slots) == list(range(core.num_slots))
+
+
+def test_n_samples_and_their_seeds(llm):
+    out = llm.generate([[3, 4, 5]], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for i, c in enumerate(out.outputs):
+        one = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=1.0, seed=7 + i))[0].outputs[0]
+        assert c.token_ids == one.token_ids
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_unseeded_sampling_is_fresh_per_call_and_reproducible_per_engine_seed(path):
+    p = SamplingParams(max_tokens=10, temperature=1.0)
+    runs = []
+    for _ in range(2):
+        llm = LLM(path, seed=3, progress=False)
+        runs.append([llm.generate([[5, 6, 7]], p)[0].outputs[0].token_ids for _ in range(3)])
+    assert runs[0] == runs[1]                               # the same engine seed: the same draws
+    assert len({tuple(t) for t in runs[0]}) == 3            # each call draws fresh randomness
+
+
+def test_async_engine_streams_and_cancels(llm):
+    aengine = AsyncLLMEngine(llm.engine)
+    ref = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0].token_ids
+
+    async def main():
+        async def full():
+            seen = []
+            async for out in aengine.generate([9, 8, 7], SamplingParams(max_tokens=12, temperature=0.0),
+                                              request_id="full"):
+                seen.append(len(out.outputs[0].token_ids))
+            return out, seen
+
+        async def cancelled():
+            n = 0
+            async for out in aengine.generate(list(range(30)), SamplingParams(max_tokens=50, temperature=0.0),
+                                              request_id="gone"):
+                n += 1
+                if n == 3:
+                    break                                    # the client went away
+            return n
+
+        (out, seen), n = await asyncio.gather(full(), cancelled())
+        with pytest.raises(ValueError, match=r"token ids outside \[0, 1000\)"):
+            async for _ in aengine.generate([5000], GREEDY, request_id="bad"):
+                pass
+        used = await asyncio.wrap_future(aengine.call(used_blocks_of))
+        return out, seen, n, used
+
+    try:
+        out, seen, n, used = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert out.outputs[0].token_ids == ref and seen == list(range(1, 13))
+    assert n == 3 and used == 0
+
+
+def used_blocks_of(engine) -> int:
+    return sum(b.num_used for b in engine.core.scheduler.blocks)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(max_num_batched_tokens=8, block_size=16), r"max_num_batched_tokens=8 is smaller than one block"),
+    (dict(num_gpu_blocks=0), r"num_gpu_blocks=0 must be a positive integer"),
+    (dict(kv_cache_memory_bytes=0), r"kv_cache_memory_bytes=0 must be a positive integer"),
+    (dict(num_gpu_blocks=4, max_model_len=128), r"holds 64 tokens per replica .* fewer than one sequence of "
+                                                 r"max_model_len=128; raise num_gpu_blocks to >= 8"),
+    (dict(kv_cache_memory_bytes=100), r"the KV pool would have no blocks"),
+])
+def test_bad_engine_settings_fail_before_loading(path, monkeypatch, kw, msg):
+    import tp_jax.loaders.model as loader
+    monkeypatch.setattr(loader, "load_from_source", lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(ValueError, match=msg):
+        LLM(path, progress=False, **kw)
+
+
+def test_bad_requests_name_the_prompt(llm):
+    with pytest.raises(ValueError, match=r"prompt 1: logprobs=21 exceeds the limit of 20"):
+        llm.generate([[1, 2], [3, 4]], [GREEDY, SamplingParams(logprobs=21)])
+    with pytest.raises(TypeError, match=r"prompt 0: token 0 is 1.5 \(float\)"):
+        llm.generate([[1.5, 2.7]], GREEDY)
+    with pytest.raises(TypeError, match=r"prompt 0 is bytes"):
+        llm.generate(b"hello", GREEDY)
+    with pytest.raises(TypeError, match=r"chat: messages must be a non-empty list"):
+        llm.chat("hello")
+    assert used_blocks(llm) == 0 and not llm.engine.core.requests
+
+
+def test_two_dimensional_id_arrays_are_prompts(llm):
+    ids = np.array([[5, 6, 7], [8, 9, 10]])
+    outs = llm.generate(ids, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in
+                                                      llm.generate([[5, 6, 7], [8, 9, 10]], GREEDY)]

@@ -1,0 +1,139 @@
+"""One step's input: the scheduled rows as a packed flat token batch in a few bucketed shapes.
+
+Groups: the step runs G = dp * M groups (M pipeline micro-batches per dp replica); group
+g = replica * M + m holds only replica `replica`'s rows. Inside a group the N tokens are
+
+    [ D decode rows, one token each | the prefill rows' tokens, back to back | padding ]
+
+(a row is one request's tokens this step). The dense layers see only these N tokens; for
+attention each prefill row's tokens are gathered into a [P, T] layout (`prefill_index`).
+The shape key (G, N, D, Wd, P, T, Wp) is bucketed to powers of two (N >= 16, T >= 16, the
+block-table widths Wd, Wp >= 8), so a short list of programs is compiled once (`StepShape`).
+
+Per group: ids, positions, slots [N] (slot = block * block_size + offset; -1 for padding),
+block tables [D, Wd] and [P, Wp], prefill_index [P, T] (N for padding), and `logits_index`
+[D + P]: the token whose logits each row samples from (its last). `rows[g][i]` is the
+ScheduledRow behind sample row i (None: padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tp_jax.serving.scheduler import ScheduledRow, SchedulerOutput
+
+MIN_TOKENS = 16
+MIN_PREFILL_WIDTH = 16
+MIN_BLOCKS = 8                # short contexts share one table width (fewer compiled shapes)
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """0 for 0, else the next power of two >= max(n, minimum)."""
+    return 0 if n == 0 else max(minimum, 1 << (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepShape:
+    groups: int
+    tokens: int            # N
+    decode_rows: int       # D
+    decode_blocks: int     # Wd (0 when D = 0)
+    prefill_rows: int      # P
+    prefill_width: int     # T (0 when P = 0)
+    prefill_blocks: int    # Wp (0 when P = 0)
+
+    @property
+    def sample_rows(self) -> int:
+        return self.decode_rows + self.prefill_rows
+
+
+@dataclasses.dataclass
+class StepBatch:
+    shape: StepShape
+    ids: np.ndarray              # i32[G, N]
+    positions: np.ndarray        # i32[G, N]
+    slots: np.ndarray            # i32[G, N]
+    decode_tables: np.ndarray    # i32[G, D, Wd]
+    prefill_tables: np.ndarray   # i32[G, P, Wp]
+    prefill_index: np.ndarray    # i32[G, P, T]
+    logits_index: np.ndarray     # i32[G, D + P]
+    rows: list[list[ScheduledRow | None]]
+
+    ARRAYS = ("ids", "positions", "slots", "decode_tables", "prefill_tables", "prefill_index", "logits_index")
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {k: getattr(self, k) for k in self.ARRAYS}
+
+
+def _split(rows: list[ScheduledRow], m: int) -> list[tuple[list[ScheduledRow], list[ScheduledRow]]]:
+    """A replica's rows into m micro-batches: decodes round-robin, prefills to the lightest group."""
+    groups = [([], []) for _ in range(m)]
+    decodes = [r for r in rows if r.num_tokens == 1]
+    for i, r in enumerate(decodes):
+        groups[i % m][0].append(r)
+    load = [0] * m
+    for r in sorted((r for r in rows if r.num_tokens > 1), key=lambda r: -r.num_tokens):
+        g = load.index(min(load))
+        groups[g][1].append(r)
+        load[g] += r.num_tokens
+    return groups
+
+
+def _blocks(rows: list[ScheduledRow], block_size: int) -> int:
+    return bucket(max((-(-(r.start + r.num_tokens) // block_size) for r in rows), default=0), MIN_BLOCKS)
+
+
+def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_size: int,
+                microbatches: int) -> StepBatch:
+    """`tables[replica][request_id]` is each scheduled request's block table."""
+    groups = [(r, g) for r, rows in enumerate(out.rows) for g in _split(rows, microbatches)]
+    decodes = [row for _, (dec, _) in groups for row in dec]
+    prefills = [row for _, (_, pre) in groups for row in pre]
+    shape = StepShape(
+        groups=len(groups),
+        tokens=bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups), MIN_TOKENS),
+        decode_rows=bucket(max(len(dec) for _, (dec, _) in groups)),
+        decode_blocks=_blocks(decodes, block_size),
+        prefill_rows=bucket(max(len(pre) for _, (_, pre) in groups)),
+        prefill_width=bucket(max((r.num_tokens for r in prefills), default=0), MIN_PREFILL_WIDTH),
+        prefill_blocks=_blocks(prefills, block_size))
+    s = shape
+    g_n, n, d, p = s.groups, s.tokens, s.decode_rows, s.prefill_rows
+    ids, pos = np.zeros((g_n, n), np.int32), np.zeros((g_n, n), np.int32)
+    slots = np.full((g_n, n), -1, np.int32)
+    dec_tables = np.zeros((g_n, d, s.decode_blocks), np.int32)
+    pre_tables = np.zeros((g_n, p, s.prefill_blocks), np.int32)
+    pre_index = np.full((g_n, p, s.prefill_width), n, np.int32)
+    logits_index = np.zeros((g_n, d + p), np.int32)
+    sample_rows: list[list[ScheduledRow | None]] = []
+    for g, (replica, (dec, pre)) in enumerate(groups):
+        mine: list[ScheduledRow | None] = [None] * (d + p)
+        for i, row in enumerate(dec):
+            _fill(row, tables[replica][row.request.request_id], block_size, i, ids[g], pos[g], slots[g],
+                  dec_tables[g, i])
+            logits_index[g, i] = i
+            mine[i] = row
+        off = len(dec)
+        for j, row in enumerate(pre):
+            _fill(row, tables[replica][row.request.request_id], block_size, off, ids[g], pos[g], slots[g],
+                  pre_tables[g, j])
+            pre_index[g, j, :row.num_tokens] = np.arange(off, off + row.num_tokens)
+            off += row.num_tokens
+            logits_index[g, d + j] = off - 1
+            mine[d + j] = row
+        sample_rows.append(mine)
+    return StepBatch(shape, ids, pos, slots, dec_tables, pre_tables, pre_index, logits_index, sample_rows)
+
+
+def _fill(row: ScheduledRow, table: list[int], block_size: int, off: int, ids, pos, slots, table_out) -> None:
+    """Write one row's tokens at ids[off:], positions, slots, and its block table."""
+    k, start = row.num_tokens, row.start
+    positions = np.arange(start, start + k, dtype=np.int32)
+    blocks = np.asarray(table, np.int32)
+    ids[off:off + k] = row.request.token_ids[start:start + k]
+    pos[off:off + k] = positions
+    slots[off:off + k] = blocks[positions // block_size] * block_size + positions % block_size
+    used = -(-(start + k) // block_size)
+    table_out[:used] = blocks[:used]

@@ -1,0 +1,108 @@
+"""One `LLM.generate` call on the engine: prompts in as requests, stream events through, outputs out.
+
+Every prompt becomes a request of the continuous-batching engine; the call steps the engine
+until all of them finish. Many hosts: the driver (process 0) validates, schedules and steps;
+the other processes run the same device steps (`EngineCore.follow`) and return no outputs.
+If the consumer stops iterating early, its unfinished requests are aborted (blocks freed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+from collections.abc import Iterator
+
+import numpy as np
+
+from tp_jax.multihost.distributed import is_driver
+from tp_jax.serving.outputs import RequestOutput, StreamEvent
+from tp_jax.serving.sampling import SamplingParams
+
+_calls = itertools.count()
+
+
+def normalize_prompts(prompts) -> list:
+    """A list of single prompts from whatever `generate` accepts (one prompt, a list, a 2-D array)."""
+    if isinstance(prompts, (str, dict, bytes, bytearray)):
+        return [prompts]
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim not in (1, 2):
+            raise ValueError(f"generate: a token-id array must be 1-D (one prompt) or 2-D (one per row), "
+                             f"got shape {prompts.shape}")
+        return [prompts] if prompts.ndim == 1 else list(prompts)
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise TypeError(f"generate: prompts must be a string, token ids or a list of them, got "
+                        f"{type(prompts).__name__}") from None
+    if prompts and all(isinstance(p, (numbers.Number, np.generic)) for p in prompts):
+        return [prompts]                                 # one prompt of token ids
+    return prompts
+
+
+def per_prompt_params(sp, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams()] * n
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    sp = list(sp)
+    if len(sp) != n or not all(isinstance(p, SamplingParams) for p in sp):
+        raise ValueError(f"generate: got {len(sp)} sampling params for {n} prompts; pass one SamplingParams "
+                         f"or one per prompt")
+    return sp
+
+
+class Generation:
+    def __init__(self, llm, prompts, sampling_params):
+        self.llm = llm
+        self.driver = is_driver()
+        self.results: dict[int, RequestOutput] = {}
+        if not self.driver:
+            return
+        self.prompts = normalize_prompts(prompts)
+        if not self.prompts:
+            raise ValueError("generate: no prompts given")
+        self.params = per_prompt_params(sampling_params, len(self.prompts))
+        self.base = f"gen{next(_calls)}"
+
+    def events(self, with_text: bool = True) -> Iterator[StreamEvent]:
+        """A StreamEvent per token; `with_text=False` skips the per-token detokenizing (text = "")."""
+        engine = self.llm.engine
+        if not self.driver:
+            engine.core.follow()
+            return
+        ids = [f"{self.base}-{i}" for i in range(len(self.prompts))]
+        sent: dict[tuple[int, int], tuple[int, int]] = {}             # (prompt, sample) -> (tokens, chars)
+        added: list[str] = []
+        try:
+            for i, (p, sp) in enumerate(zip(self.prompts, self.params)):
+                engine.check(p, sp, f"prompt {i}")                     # every prompt checked before any runs
+            for i, (rid, p, sp) in enumerate(zip(ids, self.prompts, self.params)):
+                engine.add_request(rid, p, sp, stream=with_text, where=f"prompt {i}")
+                added.append(rid)
+            index = {rid: i for i, rid in enumerate(ids)}
+            while len(self.results) < len(ids):
+                for out in engine.step():
+                    i = index[out.request_id]
+                    if out.finished:
+                        self.results[i] = out
+                    for j, c in enumerate(out.outputs):
+                        n_tok, n_chr = sent.get((i, j), (0, 0))
+                        for k, tok in enumerate(c.token_ids[n_tok:]):
+                            last = n_tok + k == len(c.token_ids) - 1
+                            text = c.text[n_chr:] if with_text and last else ""
+                            done = last and c.finished
+                            yield StreamEvent(i, tok, text, done, c.finish_reason if done else None, j)
+                        sent[(i, j)] = (len(c.token_ids), len(c.text) if with_text else 0)
+        except BaseException as e:
+            for rid in added:
+                engine.abort(rid)
+            engine.core.release_followers(None if isinstance(e, GeneratorExit) else f"{e}")
+            raise
+        engine.core.release_followers()
+
+    def outputs(self) -> list[RequestOutput]:
+        """The outputs in prompt order on process 0 (the driver); [] on the other processes."""
+        if not self.driver:
+            return []
+        return [self.results[i] for i in range(len(self.prompts))]

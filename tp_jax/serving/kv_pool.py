@@ -1,0 +1,124 @@
+"""The paged KV pool on the mesh, and its size from a stated memory budget.
+
+    k, v: [L_pad, dp * num_blocks, block_size, Hkv_pad, hd]   spec P("pp", "dp", None, "tp", None)
+
+Layers on pp (padded like the model's stacked params), the block axis on dp (each replica
+owns `num_blocks` blocks; block ids are local to a replica), kv heads on tp exactly as the
+head plan places them (`KVLayout` from the model). Memory is budgeted, never discovered:
+
+* `num_gpu_blocks`: this many blocks per replica, or else
+* `kv_cache_memory_bytes`: K + V bytes per device, or else
+* the default budget: on an accelerator `gpu_memory_utilization` of each device's memory
+  minus what is in use after the weights are placed; on CPU (where devices share the host's
+  RAM) min(2 GiB, a quarter of the available RAM) per process, split over its mesh devices.
+
+The pool never holds more blocks than `max_num_seqs` sequences of `max_model_len` tokens can
+use, and must hold at least one sequence of `max_model_len` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tp_jax.models.cache import KVLayout
+from tp_jax.parallel.mesh import DP, PP, TP
+
+POOL_SPEC = P(PP, DP, None, TP, None)
+CPU_DEFAULT_BYTES = 2 * 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolShape:
+    layout: KVLayout
+    num_blocks: int              # per dp replica
+    block_size: int
+    mesh_shape: tuple[int, int, int]   # (dp, pp, tp)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        dp = self.mesh_shape[0]
+        return (self.layout.num_layers, dp * self.num_blocks, self.block_size, self.layout.kv_heads,
+                self.layout.head_dim)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one replica can hold."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_device(self) -> int:
+        return self.num_blocks * block_bytes_per_device(self.layout, self.block_size, self.mesh_shape)
+
+    def describe(self) -> str:
+        return (f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens per replica, "
+                f"{self.bytes_per_device / 2**20:.1f} MiB per device")
+
+
+def block_bytes_per_device(layout: KVLayout, block_size: int, mesh_shape: tuple[int, int, int]) -> int:
+    """K + V bytes of one block on one device (its layers and kv heads)."""
+    _, pp, tp = mesh_shape
+    return (2 * (layout.num_layers // pp) * block_size * (layout.kv_heads // tp) * layout.head_dim
+            * np.dtype(layout.dtype).itemsize)
+
+
+def default_budget_bytes(mesh: Mesh, gpu_memory_utilization: float) -> int:
+    """Bytes per device the pool may take when no size is given (see the module docstring)."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if local[0].platform == "cpu":
+        return min(CPU_DEFAULT_BYTES, _available_ram() // 4) // len(local)
+    stats = [d.memory_stats() or {} for d in local]
+    limits = [s.get("bytes_limit", 0) * gpu_memory_utilization - s.get("bytes_in_use", 0) for s in stats]
+    return max(int(min(limits)), 0)
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def plan_pool(layout: KVLayout, mesh: Mesh, *, block_size: int, max_model_len: int, max_num_seqs: int,
+              num_gpu_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+              gpu_memory_utilization: float = 0.9) -> PoolShape:
+    """The pool's size per replica, or a ValueError naming the numbers and the fix."""
+    mesh_shape = (mesh.shape[DP], mesh.shape[PP], mesh.shape[TP])
+    per_block = block_bytes_per_device(layout, block_size, mesh_shape)
+    per_seq = math.ceil(max_model_len / block_size)
+    if num_gpu_blocks is not None:
+        num, source = int(num_gpu_blocks), f"num_gpu_blocks={num_gpu_blocks}"
+    else:
+        if kv_cache_memory_bytes is not None:
+            budget, source = int(kv_cache_memory_bytes), f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
+        else:
+            budget = default_budget_bytes(mesh, gpu_memory_utilization)
+            source = f"the default budget of {budget / 2**20:.1f} MiB per device"
+        num = min(budget // per_block, max_num_seqs * per_seq)
+    if num < 1:
+        raise ValueError(f"the KV pool would have no blocks ({source}; one block of {block_size} tokens takes "
+                         f"{per_block} bytes per device); give num_gpu_blocks >= {per_seq} or "
+                         f"kv_cache_memory_bytes >= {per_seq * per_block}")
+    if num * block_size < max_model_len:
+        raise ValueError(f"the KV pool holds {num * block_size} tokens per replica ({num} blocks of {block_size}, "
+                         f"from {source}), fewer than one sequence of max_model_len={max_model_len}; raise "
+                         f"num_gpu_blocks to >= {per_seq} (kv_cache_memory_bytes >= {per_seq * per_block}) or "
+                         f"lower max_model_len to <= {num * block_size}")
+    return PoolShape(layout, num, block_size, mesh_shape)
+
+
+def new_pool(shape: PoolShape, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+    """Zeroed (k, v), allocated directly on the devices in their shards (finite: masked reads stay exact)."""
+    sharding = NamedSharding(mesh, POOL_SPEC)
+    zeros = jax.jit(lambda: jnp.zeros(shape.shape, shape.layout.dtype), out_shardings=sharding)
+    return zeros(), zeros()

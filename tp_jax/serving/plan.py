@@ -1,0 +1,50 @@
+"""A step plan: everything the devices need for one step, built by the driver, run by every process.
+
+With many hosts the driver (process 0) schedules and every process executes the same jitted
+step; the others receive the plan as bytes (numpy arrays + a small JSON header). A plan
+carries the step's token batch, the per-row sampling inputs, the static flags that pick the
+sampler program, and the penalty rows to load for requests that start running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+
+import numpy as np
+
+from tp_jax.serving.batch import StepBatch, StepShape
+
+
+@dataclasses.dataclass
+class StepPlan:
+    batch: StepBatch
+    floats: np.ndarray                     # f32[G, R, 6]  sampling.ROW_FLOATS
+    top_k: np.ndarray                      # i32[G, R]
+    words: np.ndarray                      # u32[G, R, 3]  PRNG key words
+    steps: np.ndarray                      # i32[G, R]     output index of the token drawn
+    slots: np.ndarray                      # i32[G, R]     penalty row (the scratch row when unused)
+    num_logprobs: int
+    penalties: bool
+    all_greedy: bool
+    penalty_inits: list[tuple[int, list[int], list[int]]]     # (slot, prompt ids, output ids)
+
+    SAMPLE_ARRAYS = ("floats", "top_k", "words", "steps", "slots")
+
+    def to_bytes(self) -> bytes:
+        arrays = {**self.batch.arrays(), **{k: getattr(self, k) for k in self.SAMPLE_ARRAYS}}
+        header = {"shape": dataclasses.astuple(self.batch.shape), "num_logprobs": self.num_logprobs,
+                  "penalties": self.penalties, "all_greedy": self.all_greedy, "penalty_inits": self.penalty_inits}
+        buf = io.BytesIO()
+        np.savez(buf, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepPlan:
+        with np.load(io.BytesIO(data)) as z:
+            a = {k: z[k] for k in z.files}
+        header = json.loads(a.pop("header").tobytes())
+        batch = StepBatch(StepShape(*header["shape"]), *(a[k] for k in StepBatch.ARRAYS), rows=[])
+        return cls(batch, *(a[k] for k in cls.SAMPLE_ARRAYS), header["num_logprobs"], header["penalties"],
+                   header["all_greedy"], [tuple(x) for x in header["penalty_inits"]])

@@ -1,0 +1,167 @@
+"""Engine outputs -> RequestOutputs (vLLM v1's OutputProcessor): text, stop strings, n samples.
+
+The engine core produces token ids; here they become text. A request with stop strings (or
+one that streams) is detokenized incrementally, a few tokens at a time (`Detokenizer`); its
+text is checked for stop strings after every token, and a hit ends the sample: its text is
+cut at the stop string (kept with `include_stop_str_in_output`) and the core is told to abort
+it. Other requests are decoded once, when they finish. A request with n > 1 runs as n child
+requests in the core; its RequestOutput gathers them and finishes with the last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from tp_jax.serving.engine import EngineOutput
+from tp_jax.serving.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tp_jax.serving.sampling import SamplingParams
+
+
+class Detokenizer:
+    """Incremental text of a growing list of token ids (the prefix-window method of vLLM and TGI).
+
+    Decodes only a window of recent tokens per step, and holds text back while it ends in an
+    incomplete UTF-8 character. `finish()` reconciles with a full decode of all the ids.
+    """
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.text = tokenizer, [], ""
+        self.prefix = self.read = 0
+
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        before = self._decode(self.ids[self.prefix:self.read])
+        now = self._decode(self.ids[self.prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        delta = now[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        full = self._decode(self.ids)
+        if full.startswith(self.text):
+            delta, self.text = full[len(self.text):], full
+            return delta
+        return ""
+
+
+@dataclasses.dataclass
+class _Sample:
+    params: SamplingParams
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative: float = 0.0
+    detok: Detokenizer | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self, index: int) -> CompletionOutput:
+        return CompletionOutput(index, self.text, list(self.tokens), self.cumulative,
+                                None if self.logprobs is None else list(self.logprobs), self.finish_reason,
+                                self.stop_reason)
+
+
+@dataclasses.dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [s.output(i) for i, s in enumerate(self.samples)], self.finished,
+                             self.num_cached_tokens, dataclasses.replace(self.metrics))
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.children: dict[str, tuple[RequestState, int]] = {}      # core request id -> (parent, sample)
+
+    def add(self, state: RequestState, child_ids: list[str], stream: bool) -> None:
+        self.states[state.request_id] = state
+        for i, cid in enumerate(child_ids):
+            s = state.samples[i]
+            if s.params.logprobs is not None:
+                s.logprobs = []
+            if self.tokenizer is not None and (stream or s.params.stop):
+                s.detok = Detokenizer(self.tokenizer)
+            self.children[cid] = (state, i)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        return [cid for cid, (st, _) in self.children.items() if st.request_id == request_id]
+
+    def process(self, outputs: list[EngineOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """(the updated RequestOutputs, core ids to abort because a stop string ended them)."""
+        now, touched, abort = time.monotonic(), {}, []
+        for out in outputs:
+            state, i = self.children[out.request_id]
+            s = state.samples[i]
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            s.tokens += out.new_token_ids
+            s.cumulative += sum(out.new_logprobs)
+            if s.logprobs is not None:
+                s.logprobs += out.new_top_logprobs
+            if s.detok is not None:
+                before = len(s.text)
+                s.text += s.detok.push(out.new_token_ids)
+                if out.finished:
+                    s.text += s.detok.finish()
+                if s.params.stop and self._stop_string(s, before):
+                    if not out.finished:
+                        abort.append(out.request_id)
+                    out = dataclasses.replace(out, finish_reason="stop", stop_reason=s.stop_reason)
+            if out.finished:
+                self._finish_sample(state, s, out.request_id, out.finish_reason, out.stop_reason, now)
+            touched[state.request_id] = state
+        return [st.output() for st in touched.values()], abort
+
+    def _stop_string(self, s: _Sample, before: int) -> bool:
+        """Cut s.text at the first stop string that the new text completes."""
+        p = s.params
+        start = max(0, before - max(len(x) for x in p.stop) + 1)
+        hits = [(s.text.find(x, start), x) for x in p.stop if x in s.text[start:]]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        s.text = s.text[:pos + len(stop) if p.include_stop_str_in_output else pos]
+        s.stop_reason = stop
+        return True
+
+    def _finish_sample(self, state: RequestState, s: _Sample, child_id: str, reason: str, stop_reason,
+                       now: float) -> None:
+        s.finish_reason, s.stop_reason = reason, stop_reason
+        if s.detok is None and self.tokenizer is not None:
+            s.text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
+        del self.children[child_id]
+        if state.finished:
+            state.metrics.finished_time = now
+            del self.states[state.request_id]
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish every running sample of a request as aborted; its final output (None if unknown)."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        for cid in self.child_ids(request_id):
+            _, i = self.children[cid]
+            self._finish_sample(state, state.samples[i], cid, "abort", None, time.monotonic())
+        return state.output()

@@ -1,4 +1,4 @@
-"""Peak host memory while loading stays near one tensor slice, not the model (DESIGN.md contract 3).
+"""Peak host memory while loading stays near one tensor slice, not the model (docs/design.md, per-device loading).
 
 On CPU the "devices" live in host memory, so the loaded params themselves show up in RSS;
 what must stay small is everything else: peak RSS - baseline - bytes of the placed params.

@@ -4,9 +4,10 @@ Each example truncates a small valid file and/or flips bytes in it (hypothesis),
 it with our reader. Allowed outcomes: a clear error (`CheckpointError` / `GGUFError`) whose
 message names the file; or a reader that accepted the file and whose every tensor is
 exactly what the format's own library reads from the same bytes (safetensors) or the bytes
-at the original tensor's place (GGUF: tensor data is located by a checked layout, so no flip can
-make a name read another tensor's bytes, and data flips are read where they are). Never another exception, a crash or a hang
-(each example runs under an alarm).
+at the original tensor's place (GGUF: tensor data is located by a checked layout, so no
+flip can make a name read another tensor's bytes; data flips are read where they are).
+Never another exception, a crash or a hang (each example runs under an alarm).
+FUZZ_EXAMPLES=2000 FUZZ_RANDOM=1 runs a longer, randomized search.
 """
 
 import contextlib

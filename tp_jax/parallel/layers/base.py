@@ -92,6 +92,9 @@ class ParallelModule(nnx.Module):
             var.set_value(jnp.asarray(value, var[...].dtype))
 
 
+ParallelModule.__signature__ = inspect.Signature()      # an abstract base: subclasses bring the arguments
+
+
 def declared_param(rngs: nnx.Rngs, decl: ShardedParam, shape: tuple[int, ...], dtype, init=None) -> nnx.Param:
     """An `nnx.Param` of global `shape` whose spec and padding zeros come from its declaration."""
     init = init or nnx.initializers.zeros_init()

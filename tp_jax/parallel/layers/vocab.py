@@ -25,6 +25,7 @@ VOCAB_PAD = 64
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """`vocab_size` rounded up to a multiple of lcm(64, tp): equal vocab runs per rank."""
     multiple = math.lcm(VOCAB_PAD, tp_size)
     return -(-vocab_size // multiple) * multiple
 

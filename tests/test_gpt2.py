@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.tiny_models import randomize
+from tests.tiny_models import logits_and_greedy, randomize
 from tp_jax.models.config import UnsupportedConfigError
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
@@ -34,12 +34,7 @@ def reference(tmp_path_factory):
     model = randomize(GPT2LMHeadModel(GPT2Config(**CONFIG)).eval())
     model.save_pretrained(path)
     ids = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], size=(3, 13))
-    with torch.no_grad():
-        logits = model(torch.tensor(ids)).logits.numpy()
-        greedy = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    assert all(len(set(g)) > 3 for g in greedy), f"degenerate greedy reference {greedy}"
-    return path, ids, logits, greedy
+    return (path, ids, *logits_and_greedy(model, ids, PROMPTS))
 
 
 @pytest.mark.parametrize("tp,pp", MESHES, ids=[f"tp{t}pp{p}" for t, p in MESHES])

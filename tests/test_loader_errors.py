@@ -121,36 +121,48 @@ def test_max_model_len_beyond_the_model(good):
         LLM(good, max_model_len=4096, progress=False)
 
 
-# --- a checkpoint that does not match its config.json (issue 16, item 2) ------------------------
+# --- a checkpoint that does not match its config.json (issue 16, item 2; issue 15, item 1) --------
 
-def test_config_with_fewer_layers_than_the_weights(good, tmp_path):
-    path = copy(good, tmp_path, edit_config=lambda c: c.update(num_hidden_layers=1))
-    with pytest.raises(CheckpointMismatchError, match=r"holds 9 tensor\(s\) that no param takes: \['model.layers.1\..*"
-                                                      r"it has layers up to 1 \(2 layers\) but config.json says "
-                                                      r"num_hidden_layers=1"):
-        LLM(path, progress=False)
+CONFIG_MISMATCHES = {
+    "fewer layers than the weights": (
+        dict(num_hidden_layers=1), CheckpointMismatchError,
+        r"holds 9 tensor\(s\) that no param takes: \['model.layers.1\..*it has layers up to 1 \(2 layers\) but "
+        r"config.json says num_hidden_layers=1"),
+    "more layers than the weights": (
+        dict(num_hidden_layers=3), MissingWeightError,
+        r"lacks 9 tensor\(s\) the model needs: \['model.layers.2\..*the checkpoint has layers 0..1 \(2 layers\) "
+        r"but config.json says 3"),
+    "another vocab": (
+        dict(vocab_size=1200), WeightShapeError,
+        r"tensors with the wrong shape \(2 problems\)(.|\n)*tensor 'model.embed_tokens.weight' has shape "
+        r"\(1000, 64\), expected \(1200, 64\) \(param 'model.embed_tokens.embedding' part 'weight', "
+        r"Entry\(hf='model.embed_tokens.weight'"),
+    "an unknown field": (
+        dict(embedding_multiplier=12.0), UnsupportedConfigError,
+        r"config field embedding_multiplier=12.0 is not supported by tp_jax's LlamaForCausalLM \(not a field of "
+        r"LlamaConfig\); it reads only \[.*'rms_norm_eps'"),
+    "a missing required field": (
+        dict(intermediate_size=None), UnsupportedConfigError,
+        r"config.json lacks the field 'intermediate_size', which LlamaForCausalLM requires"),
+}
 
 
-def test_config_with_more_layers_than_the_weights(good, tmp_path):
-    path = copy(good, tmp_path, edit_config=lambda c: c.update(num_hidden_layers=3))
-    with pytest.raises(MissingWeightError, match=r"lacks 9 tensor\(s\) the model needs: \['model.layers.2\..*the "
-                                                 r"checkpoint has layers 0..1 \(2 layers\) but config.json says 3"):
-        LLM(path, progress=False)
+@pytest.mark.parametrize("case", list(CONFIG_MISMATCHES))
+def test_config_that_does_not_fit_is_refused(good, tmp_path, case):
+    change, error, msg = CONFIG_MISMATCHES[case]
+
+    def edit(cfg):
+        cfg.update(change)
+        for k in [k for k, v in change.items() if v is None]:
+            cfg.pop(k)
+    with pytest.raises(error, match=msg):
+        LLM(copy(good, tmp_path, edit_config=edit), progress=False)
 
 
 def test_stray_tensor(good, tmp_path):
     path = copy(good, tmp_path, lambda t: t.update({"model.extra_proj.weight": np.zeros((4, 4), np.float32)}))
     with pytest.raises(CheckpointMismatchError, match=r"holds 1 tensor\(s\) that no param takes: "
                                                       r"\['model.extra_proj.weight'\]"):
-        LLM(path, progress=False)
-
-
-def test_vocab_does_not_match(good, tmp_path):
-    path = copy(good, tmp_path, edit_config=lambda c: c.update(vocab_size=1200))
-    with pytest.raises(WeightShapeError, match=r"tensors with the wrong shape \(2 problems\)(.|\n)*tensor "
-                                               r"'model.embed_tokens.weight' has shape \(1000, 64\), expected "
-                                               r"\(1200, 64\) \(param 'model.embed_tokens.embedding' part 'weight', "
-                                               r"Entry\(hf='model.embed_tokens.weight'"):
         LLM(path, progress=False)
 
 
@@ -218,21 +230,6 @@ def test_progress_bar_ends_at_100_percent(good, capfd):
 
 
 # --- the config map (issue 15, item 1) ----------------------------------------------------------
-
-def test_unknown_config_field_is_refused(good, tmp_path):
-    path = copy(good, tmp_path, edit_config=lambda c: c.update(embedding_multiplier=12.0))
-    with pytest.raises(UnsupportedConfigError, match=r"config field embedding_multiplier=12.0 is not supported by "
-                                                     r"tp_jax's LlamaForCausalLM \(not a field of LlamaConfig\); it "
-                                                     r"reads only \[.*'rms_norm_eps'"):
-        LLM(path, progress=False)
-
-
-def test_missing_required_config_field(good, tmp_path):
-    path = copy(good, tmp_path, edit_config=lambda c: c.pop("intermediate_size"))
-    with pytest.raises(UnsupportedConfigError, match=r"config.json lacks the field 'intermediate_size', which "
-                                                     r"LlamaForCausalLM requires"):
-        LLM(path, progress=False)
-
 
 def test_fields_without_effect_on_inference_are_accepted(good, tmp_path):
     path = copy(good, tmp_path, edit_config=lambda c: c.update(attention_dropout=0.1, initializer_range=0.5,

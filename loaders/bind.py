@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from flax import nnx
 
@@ -82,15 +83,22 @@ def as_table(table: WeightTable | Sequence[Entry]) -> WeightTable:
     return table if isinstance(table, WeightTable) else WeightTable(tuple(table))
 
 
-def _params(model: nnx.Module) -> dict[str, tuple[nnx.Module, str, bool, tuple]]:
-    """param path -> (owning module, attribute name, under a Stack, nnx path)."""
+class _Param(NamedTuple):
+    module: nnx.Module          # the module owning the param
+    attr: str                   # its attribute name there
+    stacked: bool               # under a Stack (one slot per layer)
+    key: tuple                  # the path as nnx's flat state spells it
+
+
+def _params(model: nnx.Module) -> dict[str, _Param]:
+    """Dotted param path -> _Param, for every nnx.Param of `model`."""
     out = {}
     for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         module, stacked = model, False
         for p in path[:-1]:
             module = module[p] if isinstance(p, int) else getattr(module, str(p))
             stacked = stacked or isinstance(module, Stack)
-        out[".".join(str(p) for p in path)] = (module, str(path[-1]), stacked, tuple(path))
+        out[".".join(str(p) for p in path)] = _Param(module, str(path[-1]), stacked, tuple(path))
     return out
 
 
@@ -98,12 +106,12 @@ def bind(model: nnx.Module, table: WeightTable | Sequence[Entry]) -> list[Bindin
     """A Binding per param of `model`, or NameTableError listing every mismatch with the table."""
     table = as_table(table)
     params, problems, decls = _params(model), [], {}
-    for path, (module, attr, _, _) in params.items():
-        problem = _loadable(path, module, attr)
+    for path, p in params.items():
+        problem = _loadable(path, p.module, p.attr)
         if problem:
             problems.append(problem)
         else:
-            decls[path] = module.loading()[attr]
+            decls[path] = p.module.loading()[p.attr]
     filled: dict[str, dict[str, Entry]] = {}
     for e in table.entries:
         problem = _check_entry(e, params, decls, filled.get(e.param, {}))
@@ -115,7 +123,7 @@ def bind(model: nnx.Module, table: WeightTable | Sequence[Entry]) -> list[Bindin
         have = filled.get(path, {})
         missing = [p for p in decl.parts if p not in have]
         if not have:
-            problems.append(f"param {path!r} ({type(params[path][0]).__name__}.{params[path][1]}) is filled by "
+            problems.append(f"param {path!r} ({type(params[path].module).__name__}.{params[path].attr}) is filled by "
                             f"no entry: add Entry(hf=<checkpoint tensor>, "
                             f"param={path!r}, part={next(iter(decl.parts))!r})"
                             + (f" and the parts {list(decl.parts)[1:]}" if len(decl.parts) > 1 else ""))
@@ -125,8 +133,8 @@ def bind(model: nnx.Module, table: WeightTable | Sequence[Entry]) -> list[Bindin
                             f"Entry(hf=<checkpoint tensor>, param={path!r}, part={missing[0]!r})")
     if problems:
         raise NameTableError(_listing(f"the name table does not fit {type(model).__name__}", problems))
-    return [Binding(path, params[path][0], params[path][1], decl, filled[path], params[path][2], params[path][3])
-            for path, decl in decls.items()]
+    return [Binding(path, params[path].module, params[path].attr, decl, filled[path], params[path].stacked,
+                    params[path].key) for path, decl in decls.items()]
 
 
 def _loadable(path: str, module, attr: str) -> str | None:
@@ -150,14 +158,14 @@ def _check_entry(e: Entry, params, decls, filled: dict[str, Entry]) -> str | Non
                 + (f"; did you mean {near}?" if near else ""))
     if e.param not in decls:
         return None                                     # its module is reported already
-    decl, module = decls[e.param], params[e.param][0]
+    decl, module = decls[e.param], params[e.param].module
     if e.part not in decl.parts:
         return (f"{e}: param {e.param!r} ({type(module).__name__}) has no part {e.part!r}; its parts are "
                 f"{list(decl.parts)} (checkpoint tensor {e.hf!r})")
     if e.part in filled:
         return (f"{e}: part {e.part!r} of param {e.param!r} is already filled by {filled[e.part].hf!r}; "
                 f"one entry per part")
-    stacked = params[e.param][2]
+    stacked = params[e.param].stacked
     if e.stacked != stacked:
         need = "must carry '{i}' (the param is stacked by a Stack)" if stacked else \
             "must not carry '{i}' (the param is not under a Stack)"

@@ -4,8 +4,10 @@
 
 Decode time is T(N tokens) - T(1 token), for both engines, so prefill and compile are out.
 Roofline: bytes of weights read per decode step / the machine's measured read bandwidth.
-With --pp > 1 each batch row also reports the GPipe bubble (idle stage-steps / total) for the
-micro-batch count the engine uses at that batch size.
+`bare_forward_ms` times the model's jitted forward alone on the same decode step (the
+engine's batch, its paged pool), so `step_over_forward` is the engine's own overhead
+(scheduling, batch building, transfers, sampling). With --pp > 1 each batch row also reports
+the GPipe bubble (idle stage-steps / total) for the engine's micro-batch count.
 """
 
 import argparse
@@ -55,6 +57,26 @@ def ours(llm, ids, batch, n):
     return (t_n - t_1) / (n - 1), run(n)[0].outputs[0].token_ids
 
 
+def bare_forward(llm, ids, batch, n) -> float:
+    """Seconds of the jitted forward alone on a decode step of `batch` rows (context ~ prompt + n/2)."""
+    import jax
+    from tp_jax.serving.batch import build_batch
+    from tp_jax import SamplingParams
+    engine, core = llm.engine, llm.engine.core
+    for i in range(batch):
+        engine.add_request(f"bare{i}", ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    for _ in range(n // 2):
+        engine.step()
+    out = core.scheduler.schedule()                            # all decoding now: one token each
+    step = build_batch(out, [b.tables for b in core.scheduler.blocks], core.config.block_size, core.microbatches)
+    run = lambda: jax.block_until_ready(core.runner.forward(step))
+    run()
+    best = min(_timed(run) for _ in range(5))
+    for i in range(batch):
+        engine.abort(f"bare{i}")
+    return best
+
+
 def theirs(model, ids, batch, n):
     import torch
     x = torch.tensor([ids] * batch)
@@ -84,12 +106,8 @@ def main():
     bandwidth = read_bandwidth_gbps()
     hf = None
     if not args.no_transformers:
-        import torch
-        from transformers import AutoModelForCausalLM
-        path = llm.model_path
-        kw = dict(gguf_file=os.path.basename(path)) if path.endswith(".gguf") else {}
-        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if kw else path, dtype=torch.float32,
-                                                  **kw).eval()
+        from hf_reference import load_hf_model
+        hf = load_hf_model(llm.model_path)
     result = {"model": os.path.basename(llm.model_path), "dtype": str(llm.dtype.__name__ if hasattr(llm.dtype, "__name__") else llm.dtype),
               "tp": args.tp, "dp": args.dp, "pp": args.pp, "tokens": args.tokens,
               "platform": jax.default_backend(), "devices": jax.device_count(),
@@ -97,8 +115,10 @@ def main():
     roofline_step = weight_bytes / (bandwidth * 1e9)
     for b in args.batch:
         step, toks = ours(llm, ids, b, args.tokens)
-        mb = llm.engine.microbatches(llm.engine.batch_bucket(b))
+        fwd = bare_forward(llm, ids, b, args.tokens)
+        mb = llm.engine.core.microbatches
         row = {"tp_jax_tokens_per_s": round(b / step, 2), "tp_jax_step_ms": round(step * 1e3, 2),
+               "bare_forward_ms": round(fwd * 1e3, 2), "step_over_forward": round(step / fwd, 3),
                "roofline_pct": round(100 * roofline_step / step, 1), "microbatches": mb,
                "bubble_fraction": round(bubble_fraction(args.pp, mb), 3)}
         if hf is not None:

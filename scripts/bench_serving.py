@@ -116,11 +116,9 @@ def bench_ours(args, work):
 
 
 def bench_transformers(model_path: str, work: list[dict]) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    kw = dict(gguf_file=os.path.basename(model_path)) if model_path.endswith(".gguf") else {}
-    path = os.path.dirname(model_path) if kw else model_path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa", **kw).eval()
+    from transformers import GenerationConfig
+    from hf_reference import load_hf_model
+    model = load_hf_model(model_path, attn_implementation="sdpa")
     cfg = GenerationConfig(max_new_tokens=max(w["max_tokens"] for w in work), do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
     return _run_transformers(model, cfg, work)

@@ -96,7 +96,7 @@ def test_a_thousand_requests_leak_no_blocks(path):
     engine, rng = llm.engine, np.random.default_rng(9)
     done, aborted, added = set(), set(), 0
     while added < 1000 or engine.has_unfinished():
-        for _ in range(int(rng.integers(0, 40)) if added < 1000 else 0):
+        for _ in range(min(int(rng.integers(0, 40)), 1000 - added)):
             engine.add_request(f"q{added}", rng.integers(0, 1000, int(rng.integers(1, 12))).tolist(),
                                SamplingParams(max_tokens=int(rng.integers(1, 5)), temperature=0.0))
             added += 1

@@ -185,8 +185,8 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True) -> list:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
-        tok = self.get_tokenizer()
         convs = chat_conversations(messages)
+        tok = self.get_tokenizer()
         texts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=False)
                  for c in convs]
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]

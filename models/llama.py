@@ -218,6 +218,8 @@ def llama_config(hf, raw=None, *, window: str = "none", qk_norm: bool = False) -
     """LlamaConfig from an HF config. `window`: how the architecture reads `sliding_window`
     ("none": must be unset; "all": every layer slides, Mistral; "per_layer": Qwen2/3, refused
     unless no layer slides). `qk_norm`: the architecture has q/k norms (Qwen3)."""
+    if window not in WINDOW_MODES:
+        raise ValueError(f"llama_config: window={window!r}; choose one of {WINDOW_MODES}")
     arch = first_architecture(hf)
     fields = {**LLAMA_FIELDS, **(PER_LAYER_WINDOW_FIELDS if window == "per_layer" else {})}
     f = read_fields(hf, fields, arch, raw)

@@ -7,9 +7,12 @@ Without --simulate-devices, the real devices (GPUs on a GPU host).
 """
 
 import argparse
-import json
+import os
+import signal
 import sys
 import time
+
+EXIT_INTERRUPTED = 130
 
 
 def parse_args(argv=None):
@@ -50,27 +53,40 @@ def parse_args(argv=None):
 
 
 def read_prompts(args) -> list[str]:
-    prompts = list(args.prompt)
-    if args.prompts_file:
-        with open(args.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    """--prompt values, then the lines of --prompts-file; the default prompt only when neither is given."""
+    from tp_jax.serving.cli import read_prompts_file
+    prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     return prompts or ["Once upon a time"]
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def stop_on_ctrl_c(signum, frame) -> None:
+    """Ctrl-C: one line and exit 130 at once, wherever we are (loading, compiling, generating).
+
+    Exits without unwinding: a KeyboardInterrupt can land inside JAX (a 46-line traceback) or
+    in a gc callback (where Python ignores it), and in a multi-process run the other processes
+    must see this one end rather than wait for it at JAX's exit barrier.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        return run(args)
-    except (ValueError, FileNotFoundError, NotImplementedError, KeyError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
+        sys.stdout.flush()
+    except (OSError, RuntimeError, ValueError):
+        pass
+    os.write(2, b"\ninterrupted (SIGINT): stopped\n")          # after a progress bar or a ^C
+    os._exit(EXIT_INTERRUPTED)
+
+
+def main(argv=None) -> int:
+    signal.signal(signal.SIGINT, stop_on_ctrl_c)          # before jax is even imported
+    from tp_jax.serving.cli import run_cli
+    return run_cli(lambda: run(parse_args(argv)))
 
 
 def run(args) -> int:
-    from tp_jax.multihost.distributed import initialize, is_driver
+    from tp_jax.multihost.distributed import initialize, is_driver, share_from_driver
     initialize(args.coordinator_address, args.num_processes, args.process_id, simulate_devices=args.simulate_devices)
+    texts = share_from_driver(lambda: read_prompts(args))          # checked before the load; process 0's file
     from tp_jax import LLM, SamplingParams
+    from tp_jax.serving.cli import OrderedStreams, json_line, prompt_header
     from tp_jax.serving.stats import CompileClock, GenerationStats, timed
 
     CompileClock.start()
@@ -84,22 +100,24 @@ def run(args) -> int:
     llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
               dtype=args.dtype, max_model_len=args.max_model_len, progress=is_driver())
     stats.load_s = time.perf_counter() - t
-    prompts = read_prompts(args)
+    prompts = texts
     if args.chat:
         tok = llm.get_tokenizer()
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                     tokenize=False), add_special_tokens=False) for p in prompts]
+                                                     tokenize=False), add_special_tokens=False) for p in texts]
     gen = llm.start(prompts, params)
-    for ev in timed(gen.events(with_text=args.stream and not args.json), stats):
-        if args.stream and not args.json:
-            print(ev.text, end="\n" if ev.finished else "", flush=True)
+    streaming = args.stream and not args.json
+    streams = OrderedStreams(texts)
+    for ev in timed(gen.events(with_text=streaming), stats):
+        if streaming:
+            streams.add(ev.index, ev.text, ev.finished)
     for i, out in enumerate(gen.outputs()):
         o = out.outputs[0]
         if args.json:
-            print(json.dumps({"index": i, "prompt": read_prompts(args)[i], "text": o.text, "token_ids": o.token_ids,
-                              "finish_reason": o.finish_reason, "logprobs": o.logprobs}))
-        elif not args.stream:
-            print(f"--- prompt {i}: {read_prompts(args)[i]!r}\n{o.text}")
+            print(json_line({"index": i, "prompt": texts[i], "text": o.text, "token_ids": o.token_ids,
+                             "finish_reason": o.finish_reason, "logprobs": o.logprobs}))
+        elif not streaming:
+            print(f"{prompt_header(i, texts[i])}\n{o.text}")
     stats.kv_cache_bytes_per_device = llm.engine.core.pool.bytes_per_device
     if is_driver():
         print(stats.line(), file=sys.stderr if args.json else sys.stdout)

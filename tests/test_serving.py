@@ -206,3 +206,37 @@ def test_two_dimensional_id_arrays_are_prompts(llm):
     outs = llm.generate(ids, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in
                                                       llm.generate([[5, 6, 7], [8, 9, 10]], GREEDY)]
+
+
+def test_warmup_compiles_the_listed_shapes_and_changes_nothing(path):
+    llm = LLM(path, max_num_seqs=8, max_num_batched_tokens=64, progress=False)
+    core = llm.engine.core
+    k_before = np.asarray(core.runner.k)
+    shapes = core.warmup()
+    assert shapes == sorted(core.warmup_shapes())
+    assert [s.decode_rows for s in shapes if s.decode_rows] == [1, 2, 4, 8]
+    assert [(s.tokens, s.prefill_width) for s in shapes if s.prefill_rows] == [(64, 64)]
+    np.testing.assert_array_equal(np.asarray(core.runner.k), k_before)        # padding writes nothing
+    out = llm.generate([[1, 2, 3]], GREEDY)[0]
+    assert len(out.outputs[0].token_ids) == 6 and core.runner.compiled_shapes >= set(shapes)
+
+
+def test_a_step_plan_survives_the_trip_to_other_processes(llm):
+    from tp_jax.serving.batch import build_batch
+    from tp_jax.serving.plan import StepPlan
+    engine = llm.engine
+    core = engine.core
+    engine.add_request("plan-a", [5, 17, 300], SamplingParams(max_tokens=3, repetition_penalty=1.3, logprobs=2))
+    engine.add_request("plan-b", list(range(40)), SamplingParams(max_tokens=3, temperature=0.5, seed=4))
+    out = core.scheduler.schedule()
+    plan = core._plan(build_batch(out, [b.tables for b in core.scheduler.blocks], 16, core.microbatches))
+    back = StepPlan.from_bytes(plan.to_bytes())
+    assert back.batch.shape == plan.batch.shape
+    for name in plan.batch.ARRAYS:
+        np.testing.assert_array_equal(getattr(back.batch, name), getattr(plan.batch, name), err_msg=name)
+    for name in plan.SAMPLE_ARRAYS:
+        np.testing.assert_array_equal(getattr(back, name), getattr(plan, name), err_msg=name)
+    assert (back.num_logprobs, back.penalties, back.all_greedy) == (2, True, False)
+    assert back.penalty_inits == [tuple(x) for x in plan.penalty_inits] and len(plan.penalty_inits) == 1
+    for rid in ("plan-a", "plan-b"):
+        engine.abort(rid)

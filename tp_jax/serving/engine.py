@@ -26,11 +26,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from tp_jax.multihost.distributed import broadcast_bytes, is_driver, to_host
+from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_host
 from tp_jax.parallel.mesh import DP, PP
-from tp_jax.parallel.pipeline import choose_microbatches
 from tp_jax.serving import sampling
-from tp_jax.serving.batch import bucket, build_batch
+from tp_jax.serving.batch import MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch
 from tp_jax.serving.kv_pool import plan_pool
 from tp_jax.serving.plan import StepPlan
 from tp_jax.serving.request import Request
@@ -96,13 +95,15 @@ class EngineCore:
         self.vocab_size = model.config.vocab_size
         self.eos = frozenset(int(t) for t in eos_token_ids)
         dp, pp = mesh.shape[DP], mesh.shape[PP]
-        m = pp if config.num_microbatches is None else config.num_microbatches
-        self.microbatches = choose_microbatches(m, m)                       # validates >= 1
-        self.pool = plan_pool(model.kv_layout(), mesh, block_size=config.block_size,
-                              max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                              num_gpu_blocks=config.num_gpu_blocks,
-                              kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                              gpu_memory_utilization=config.gpu_memory_utilization)
+        self.microbatches = pp if config.num_microbatches is None else config.num_microbatches
+        if self.microbatches < 1:
+            raise ValueError(f"num_microbatches={self.microbatches} must be >= 1")
+        plan = lambda blocks: plan_pool(model.kv_layout(), mesh, block_size=config.block_size,
+                                        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                                        num_gpu_blocks=blocks, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                                        gpu_memory_utilization=config.gpu_memory_utilization)
+        # every process must build the same pool: the driver decides its size from its own budget
+        self.pool = plan(share_from_driver(lambda: plan(config.num_gpu_blocks).num_blocks))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.block_size, self.pool.num_blocks, dp,
                                                    config.enable_prefix_caching))
@@ -230,13 +231,7 @@ class EngineCore:
 
     def _execute(self, plan: StepPlan):
         """The device work of a step (every process runs it); the sampled rows as numpy."""
-        for slot, prompt, outputs in plan.penalty_inits:
-            self.runner.init_penalty_slot(slot, prompt, outputs)
-        logits = self.runner.forward(plan.batch)
-        out = self.runner.sample(logits, plan.floats, plan.top_k, plan.words, plan.steps, plan.slots,
-                                 num_logprobs=plan.num_logprobs, penalties=plan.penalties,
-                                 all_greedy=plan.all_greedy)
-        return to_host(out)
+        return self.runner.execute(plan)
 
     def _append(self, req: Request, token: int, logprob: float, top_ids, top_lp) -> EngineOutput:
         req.token_ids.append(token)
@@ -294,6 +289,30 @@ class EngineCore:
             broadcast_bytes(_RELEASE + (error or "").encode())
 
     # --- warm-up and introspection ----------------------------------------------------------------
+    def warmup_shapes(self) -> list[StepShape]:
+        """Decode steps of every bucketed row count up to max_num_seqs (short contexts), and one full
+        prefill chunk: the shapes most steps use. Others compile on first use (`compiled_shapes`)."""
+        cfg, groups = self.config, len(self.scheduler.blocks) * self.microbatches
+        shapes = []
+        d = 1
+        while d <= bucket(cfg.max_num_seqs):
+            shapes.append(StepShape(groups, max(d, MIN_TOKENS), d, MIN_BLOCKS, 0, 0, 0))
+            d *= 2
+        chunk = bucket(cfg.max_num_batched_tokens, MIN_TOKENS)
+        shapes.append(StepShape(groups, chunk, 0, 0, 1, chunk, bucket(-(-chunk // cfg.block_size), MIN_BLOCKS)))
+        return shapes
+
+    def warmup(self, shapes=None) -> list[StepShape]:
+        """Compile the forward and the greedy sampler for each shape (default `warmup_shapes()`) by
+        running an all-padding step (nothing is written); every process runs the same. Returns the
+        shapes compiled so far, sorted."""
+        for shape in self.warmup_shapes() if shapes is None else shapes:
+            plan = self._plan(StepBatch.empty(shape))
+            if jax.process_count() > 1:
+                broadcast_bytes(plan.to_bytes())
+            self._execute(plan)
+        return sorted(self.runner.compiled_shapes)
+
     def kv_usage(self) -> float:
         used = sum(b.num_used for b in self.scheduler.blocks)
         return used / (self.pool.num_blocks * len(self.scheduler.blocks))

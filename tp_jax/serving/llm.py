@@ -23,6 +23,7 @@ import numpy as np
 from tp_jax.multihost.distributed import agree, share_from_driver, to_global, to_host
 from tp_jax.parallel.mesh import DP, make_mesh
 from tp_jax.parallel.pipeline import choose_microbatches
+from tp_jax.serving.args import validate_llm_args
 from tp_jax.serving.engine import EngineConfig
 
 def resolve_dtype(dtype: str):
@@ -67,6 +68,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
                  check_weights: bool = True):
+        validate_llm_args(**locals())                  # types and ranges, before any work (EngineConfig: the rest)
         from tp_jax.loaders.default import default_model_path
         from tp_jax.loaders.model import abstract_model, load_from_source, open_checkpoint
         self.model_path = default_model_path() if model is None else str(model)

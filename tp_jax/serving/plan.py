@@ -24,16 +24,22 @@ class StepPlan:
     top_k: np.ndarray                      # i32[G, R]
     words: np.ndarray                      # u32[G, R, 3]  PRNG key words
     steps: np.ndarray                      # i32[G, R]     output index of the token drawn
-    slots: np.ndarray                      # i32[G, R]     penalty row (the scratch row when unused)
+    penalty_rows: np.ndarray               # i32[G, R]     penalty state row (the scratch row when unused)
     num_logprobs: int
     penalties: bool
     all_greedy: bool
     penalty_inits: list[tuple[int, list[int], list[int]]]     # (slot, prompt ids, output ids)
 
-    SAMPLE_ARRAYS = ("floats", "top_k", "words", "steps", "slots")
+    SAMPLE_ARRAYS = ("floats", "top_k", "words", "steps", "penalty_rows")
+
+    def sample_ints(self) -> np.ndarray:
+        """i32[G, R, 6]: top_k, step, penalty row, then the three key words (bit-cast)."""
+        return np.concatenate([self.top_k[..., None], self.steps[..., None], self.penalty_rows[..., None],
+                               self.words.view(np.int32)], axis=-1)
 
     def to_bytes(self) -> bytes:
         arrays = {**self.batch.arrays(), **{k: getattr(self, k) for k in self.SAMPLE_ARRAYS}}
+        assert len(arrays) == len(StepBatch.ARRAYS) + len(self.SAMPLE_ARRAYS), "array names must not collide"
         header = {"shape": dataclasses.astuple(self.batch.shape), "num_logprobs": self.num_logprobs,
                   "penalties": self.penalties, "all_greedy": self.all_greedy, "penalty_inits": self.penalty_inits}
         buf = io.BytesIO()

@@ -23,20 +23,12 @@ class DType:
         return self.numpy.itemsize
 
 
-_ALL = (
-    DType("float32", np.dtype(np.float32), "F32"),
-    DType("bfloat16", np.dtype(ml_dtypes.bfloat16), "BF16"),
-    DType("float16", np.dtype(np.float16), "F16"),
-    DType("float64", np.dtype(np.float64), "F64"),
-    DType("int64", np.dtype(np.int64), "I64"),
-    DType("int32", np.dtype(np.int32), "I32"),
-    DType("int16", np.dtype(np.int16), "I16"),
-    DType("int8", np.dtype(np.int8), "I8"),
-    DType("uint8", np.dtype(np.uint8), "U8"),
-    DType("bool", np.dtype(np.bool_), "BOOL"),
-    DType("float8_e4m3fn", np.dtype(ml_dtypes.float8_e4m3fn), "F8_E4M3"),
-    DType("float8_e5m2", np.dtype(ml_dtypes.float8_e5m2), "F8_E5M2"),
-)
+# (name, numpy type, safetensors code)
+_ALL = tuple(DType(name, np.dtype(t), code) for name, t, code in (
+    ("float32", np.float32, "F32"), ("bfloat16", ml_dtypes.bfloat16, "BF16"), ("float16", np.float16, "F16"),
+    ("float64", np.float64, "F64"), ("int64", np.int64, "I64"), ("int32", np.int32, "I32"),
+    ("int16", np.int16, "I16"), ("int8", np.int8, "I8"), ("uint8", np.uint8, "U8"), ("bool", np.bool_, "BOOL"),
+    ("float8_e4m3fn", ml_dtypes.float8_e4m3fn, "F8_E4M3"), ("float8_e5m2", ml_dtypes.float8_e5m2, "F8_E5M2")))
 FLOATS = ("float32", "bfloat16", "float16")           # run dtypes and conversion targets
 BY_NAME = {d.name: d for d in _ALL}
 BY_SAFETENSORS = {d.safetensors: d for d in _ALL}

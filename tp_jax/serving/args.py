@@ -74,6 +74,7 @@ RULES: dict[str, Callable[[str, Any], None]] = {
     "num_microbatches": count(" (pipeline micro-batches; None: pipeline_parallel_size)", optional=True),
     "seed": any_int,
     "progress": _flag,
+    "check_weights": _flag,
 }
 
 

@@ -248,3 +248,15 @@ def test_the_jax_nn_attention_backend_gives_the_same_tokens(path, alone):
     with pytest.raises(ValueError, match=r"attention_backend='flash' is not registered; choose one of "
                                          r"\['jax_nn', 'reference'\]"):
         LLM(path, attention_backend="flash", progress=False)
+
+
+def test_the_cpu_default_pool_never_refuses_to_start_on_a_busy_host(path, monkeypatch):
+    from tp_jax.serving import kv_pool
+    monkeypatch.setattr(kv_pool, "_available_ram", lambda: 1024)               # almost nothing free
+    llm = LLM(path, max_model_len=64, max_num_seqs=8, progress=False)
+    pool = llm.engine.core.pool
+    assert pool.num_blocks == 4 * 64 // 16 and pool.tokens == 4 * 64          # four max_model_len sequences
+    monkeypatch.setenv("TP_JAX_CPU_KV_CACHE_BYTES", str(2**40))
+    monkeypatch.setattr(kv_pool, "_available_ram", lambda: 2**40)
+    roomy = LLM(path, max_model_len=64, max_num_seqs=8, progress=False).engine.core.pool
+    assert roomy.num_blocks == 8 * 64 // 16                                    # capped by what 8 sequences use

@@ -29,7 +29,8 @@ from jax.sharding import Mesh
 from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_host
 from tp_jax.parallel.mesh import DP, PP
 from tp_jax.serving import sampling
-from tp_jax.serving.batch import MIN_BLOCKS, MIN_PREFILL_WIDTH, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch, fine_bucket
+from tp_jax.serving.batch import (MIN_BLOCKS, MIN_PREFILL_WIDTH, MIN_TOKENS, StepBatch, StepShape, bucket,
+                                  build_batch, fine_bucket)
 from tp_jax.serving.kv_pool import plan_pool
 from tp_jax.serving.plan import StepPlan
 from tp_jax.serving.request import Request

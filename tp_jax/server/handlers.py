@@ -59,6 +59,14 @@ class Handler:
         self.aengine, self.tokenizer, self.names = aengine, tokenizer, list(model_names)
         self.max_model_len, self.metrics = max_model_len, metrics
         self.tokens = Tokens(tokenizer)
+        self.active: set[str] = set()                # engine request ids in flight
+
+    async def abort_all(self) -> int:
+        """End every request in flight now (each answers with finish_reason "abort"); how many."""
+        ids = list(self.active)
+        for rid in ids:
+            await self.aengine.abort(rid)
+        return len(ids)
 
     # --- turning a request into checked engine inputs ----------------------------------------------
     def completion_job(self, req: CompletionRequest) -> Job:
@@ -119,18 +127,21 @@ class Handler:
         timers = [self.metrics.timer(rid, len(p)) for rid, p in zip(ids, job.prompts)]
         gens = [self.aengine.generate({"prompt_token_ids": p}, job.params, request_id=rid, stream=stream)
                 for rid, p in zip(ids, job.prompts)]
+        self.active.update(ids)
         try:
             async for i, out in merge(gens):
                 timers[i].observe(out)
                 yield i, out
         except (GeneratorExit, asyncio.CancelledError):
             for t in timers:
-                t.abort("client disconnected")
+                t.abort("cancelled: the client disconnected")
             raise
         except BaseException as e:
             for t in timers:
                 t.abort(f"error: {e}")
             raise
+        finally:
+            self.active.difference_update(ids)
 
     async def full(self, job: Job) -> dict:
         final: dict[int, RequestOutput] = {}

@@ -14,6 +14,7 @@ in-flight requests `--shutdown-timeout` seconds to finish, abort the rest, stop 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import math
 import os
@@ -22,11 +23,15 @@ import socket
 import sys
 import threading
 
+import uvicorn
+
 from tp_jax.server.cli import add_engine_args, env_default
 
 log = logging.getLogger("tp_jax.server")
 ENV_API_KEY = "TP_JAX_API_KEY"
 ENGINE_THREAD = "tp_jax-engine"          # AsyncLLMEngine's thread
+ENGINE_STOP_S = 2.0                      # for the engine thread to finish its step and stop
+BACKSTOP_S = 2                           # after the grace period and the aborts, uvicorn cancels what is left
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -46,7 +51,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     "(default: from the memory budget)")
     ap.add_argument("--seed", type=int, default=0, help="the engine's randomness for unseeded requests")
     ap.add_argument("--warmup", action="store_true", help="compile the common step shapes before serving")
-    ap.add_argument("--shutdown-timeout", type=float, default=5.0,
+    ap.add_argument("--shutdown-timeout", type=float, default=3.0,
                     help="seconds in-flight requests may finish after SIGINT / SIGTERM before they are aborted")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
@@ -109,7 +114,6 @@ def run(args) -> int:
 
 def serve(llm, sock: socket.socket, names: list[str], args) -> None:
     """Run uvicorn on `sock` until SIGINT / SIGTERM; the app stops the engine on the way out."""
-    import uvicorn
     from tp_jax.server.app import create_app
     from tp_jax.serving.async_engine import AsyncLLMEngine
     try:
@@ -118,10 +122,9 @@ def serve(llm, sock: socket.socket, names: list[str], args) -> None:
         tokenizer = None                                  # token-id prompts only
     aengine = AsyncLLMEngine(llm.engine)
     app = create_app(aengine, tokenizer, model_names=names, max_model_len=llm.max_model_len, api_key=args.api_key,
-                     model_root=llm.model_path, shutdown_timeout_s=max(args.shutdown_timeout, 1.0))
+                     model_root=llm.model_path, shutdown_timeout_s=ENGINE_STOP_S)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_access_log,
-                            timeout_graceful_shutdown=math.ceil(args.shutdown_timeout),
-                            lifespan="on")
+                            timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + BACKSTOP_S, lifespan="on")
     host, port = sock.getsockname()[:2]
     log.info("serving %s as %s on http://%s:%d (pid %d, max_model_len %d)", llm.model_path, ", ".join(names),
              host, port, os.getpid(), llm.max_model_len)
@@ -130,9 +133,9 @@ def serve(llm, sock: socket.socket, names: list[str], args) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        GracefulServer(config, app.state.handler, args.shutdown_timeout).run(sockets=[sock])
     finally:
-        aengine.shutdown(timeout=max(args.shutdown_timeout, 1.0))     # no-op after the app's own shutdown
+        aengine.shutdown(timeout=0.1)                     # a no-op after the app's own shutdown
     busy = any(t.name == ENGINE_THREAD and t.is_alive() for t in threading.enumerate())
     if busy:
         log.warning("the engine is still inside a step; exiting without waiting for it")
@@ -145,3 +148,26 @@ def serve(llm, sock: socket.socket, names: list[str], args) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server; on SIGINT / SIGTERM, requests still running after the grace period are aborted
+    through the engine, so their clients get a last chunk (finish_reason "abort") and `[DONE]` rather
+    than a cut connection. uvicorn cancels whatever is left BACKSTOP_S later."""
+
+    def __init__(self, config: uvicorn.Config, handler, grace_s: float):
+        super().__init__(config)
+        self.handler, self.grace_s, self._abort_scheduled = handler, grace_s, False
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if not self._abort_scheduled:
+            self._abort_scheduled = True
+            loop = asyncio.get_running_loop()        # signals are handled on the loop's (main) thread
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._abort_after_grace()))
+
+    async def _abort_after_grace(self) -> None:
+        await asyncio.sleep(self.grace_s)
+        n = await self.handler.abort_all()
+        if n:
+            log.info("aborted %d request(s) still running after the %.1f s grace period", n, self.grace_s)

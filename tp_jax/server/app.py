@@ -133,6 +133,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def value_error(_request, e: ValueError):     # the engine refused a request after all
         return JSONResponse(APIError(400, str(e)).body(), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):    # a bug or a failed engine: still OpenAI's body
+        log.error("%s %s failed: %r", request.method, request.url.path, e)
+        return JSONResponse(APIError(500, f"the request failed: {e}", type="internal_server_error").body(),
+                            status_code=500)
+
 
 def describe_validation(errors) -> tuple[str, str | None]:
     """One message for pydantic's errors: the first problem, naming the field, what it accepts and the fix."""

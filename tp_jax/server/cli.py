@@ -17,6 +17,7 @@ import os
 import sys
 
 EXIT_BAD_ARGS = 2
+EXIT_INTERRUPTED = 130
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -60,6 +61,9 @@ def run_reporting_errors(fn, args) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)
         return EXIT_BAD_ARGS
+    except KeyboardInterrupt:                       # Ctrl-C while loading (a running server stops cleanly)
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def env_default(name: str) -> str | None:

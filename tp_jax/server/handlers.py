@@ -16,15 +16,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from tp_jax.server.metrics import RequestTimer, ServerMetrics
+from tp_jax.server.metrics import ServerMetrics
 from tp_jax.server.protocol import ChatCompletionRequest, CompletionRequest, requested_logprobs, sampling_params
 from tp_jax.server.responses import ChoiceDelta, Delta, Tokens, chat_logprobs, completion_logprobs, usage
 from tp_jax.serving.outputs import CompletionOutput, RequestOutput
 from tp_jax.serving.sampling import SamplingParams
+
+log = logging.getLogger("tp_jax.server")
 
 
 class APIError(Exception):
@@ -194,8 +197,9 @@ class Handler:
                         choices.append(self._chunk_choice(job, i * n + c.index, d))
                 if choices:
                     yield chunk(choices)
-        except RuntimeError as e:                      # the engine failed mid-stream
-            yield sse(APIError(500, str(e), type="internal_server_error").body())
+        except Exception as e:                         # the engine failed mid-stream: say so, then end it
+            log.exception("request %s failed", job.id)
+            yield sse(APIError(500, f"the request failed: {e}", type="internal_server_error").body())
         if include_usage:
             yield sse({"id": job.id, "object": f"{job.object}.chunk" if job.chat else job.object,
                        "created": job.created, "model": job.model, "choices": [],

@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import os
 
-import ml_dtypes
 import numpy as np
 
+from tp_jax.loaders.dtypes import BY_NUMPY, float_dtype
 from tp_jax.loaders.gguf import GGUFSource, load_gguf_tokenizer
-
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-_SAFETENSORS_DTYPE = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16"}
+from tp_jax.loaders.sources import is_gguf
 
 
 def convert_gguf(in_path: str, out_dir: str, dtype: str = "float32") -> None:
@@ -25,12 +23,11 @@ def convert_gguf(in_path: str, out_dir: str, dtype: str = "float32") -> None:
     `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` and
     `AutoTokenizer.from_pretrained(out_dir)` load the result.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    target = float_dtype(dtype).numpy
     source = GGUFSource(in_path)
     os.makedirs(out_dir, exist_ok=True)
     write_config_and_tokenizer(in_path, out_dir, dtype)
-    write_safetensors(source, os.path.join(out_dir, "model.safetensors"), DTYPES[dtype])
+    write_safetensors(source, os.path.join(out_dir, "model.safetensors"), target)
 
 
 def write_config_and_tokenizer(src: str, out_dir: str, dtype: str | None = None) -> None:
@@ -39,7 +36,7 @@ def write_config_and_tokenizer(src: str, out_dir: str, dtype: str | None = None)
     A `.gguf` file's are built from its metadata; a model directory's are copied (every file
     but the weights). `dtype`, when given, is recorded in config.json.
     """
-    if os.path.isfile(src) and src.endswith(".gguf"):
+    if is_gguf(src):
         config = GGUFSource(src).hf_config()
         config.dtype = dtype or "float32"
         config.save_pretrained(out_dir)
@@ -83,7 +80,7 @@ def write_safetensors(source, path: str, dtype: np.dtype) -> None:
     for name in names:
         shape = source.get(name).shape
         size = int(np.prod(shape)) * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(shape),
+        header[name] = {"dtype": BY_NUMPY[np.dtype(dtype)].safetensors, "shape": list(shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()

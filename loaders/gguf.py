@@ -26,9 +26,11 @@ import gguf
 import ml_dtypes
 import numpy as np
 
+from tp_jax.loaders.dtypes import BY_NAME
+
 QT = gguf.GGMLQuantizationType
-FLOAT_TYPES = {QT.F32: np.dtype(np.float32), QT.F16: np.dtype(np.float16),
-               QT.BF16: np.dtype(ml_dtypes.bfloat16)}
+FLOAT_TYPES = {QT.F32: BY_NAME["float32"].numpy, QT.F16: BY_NAME["float16"].numpy,
+               QT.BF16: BY_NAME["bfloat16"].numpy}
 QUANT_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
                QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)   # dequantized to float32
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -81,7 +83,10 @@ class _CheckedReader(gguf.GGUFReader):
         super().__init__(path)
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
-        size = len(self.data)
+        """Tensor data must lie where llama.cpp puts it: in header order, each at the running sum of
+        the previous tensors' sizes padded to the alignment, the last ending at the end of the file.
+        So a corrupt offset, shape or type fails here instead of reading another tensor's bytes."""
+        size, expected, end = len(self.data), 0, start_offs
         for field in fields:
             name = bytes(field.parts[1]).decode("utf-8", "replace")
             raw_type, offset = int(field.parts[4][0]), int(field.parts[5][0])
@@ -90,10 +95,22 @@ class _CheckedReader(gguf.GGUFReader):
                 raise GGUFError(f"{self._path}: tensor {name!r} has unknown ggml type id {raw_type} "
                                 f"(newer than gguf {_gguf_version()}? try `pip install -U gguf`)")
             block, type_size = sizes
-            end = start_offs + offset + int(np.prod(field.parts[3])) * type_size // block
+            count = int(np.prod(field.parts[3].astype(object)))
+            if count % block or (field.parts[3].size and int(field.parts[3][0]) % block):
+                raise GGUFError(f"{self._path} is corrupt: tensor {name!r} has {count} elements, not whole "
+                                f"{block}-element blocks of its type")
+            if offset != expected:
+                raise GGUFError(f"{self._path} is corrupt: tensor {name!r} starts at data offset {offset}, "
+                                f"expected {expected} (re-download or re-convert it)")
+            nbytes = count * type_size // block
+            end = start_offs + offset + nbytes
             if end > size:
                 raise GGUFError(f"{self._path} is truncated: tensor {name!r} needs bytes up to {end} "
                                 f"but the file has {size} (re-download or re-convert it)")
+            expected = offset + -(-nbytes // self.alignment) * self.alignment
+        if fields and size > start_offs + expected:
+            raise GGUFError(f"{self._path} is corrupt: {size - start_offs - expected} bytes after the last "
+                            f"tensor's data (a tensor's shape or type does not match the file)")
         super()._build_tensors(start_offs, fields)
 
 
@@ -182,8 +199,7 @@ class GGUFSource:
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
         self._reader = open_reader(self.path)
-        self.metadata = {k: f.contents() for k, f in self._reader.fields.items()
-                         if not k.startswith("GGUF.") and not _is_vocab_field(k)}
+        self.metadata = _read_metadata(self._reader, self.path)
         arch = self.metadata.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise GGUFError(f"{self.path}: architecture {arch!r} is not supported; "
@@ -219,6 +235,9 @@ class GGUFSource:
 
     def _check_complete(self, infos: dict[str, Any]) -> None:
         n_layers = self._arch("block_count")
+        if not isinstance(n_layers, int) or not 0 <= n_layers <= len(infos):
+            raise GGUFError(f"{self.path} is corrupt: block_count = {n_layers!r} layers, but the file holds "
+                            f"{len(infos)} tensors")
         expected = [h.format(i=i) for g, h in NAME_TABLE.items() if g not in OPTIONAL_TENSORS
                     for i in (range(n_layers) if "{i}" in h else [0])]
         missing = [n for n in dict.fromkeys(expected) if n not in infos]
@@ -255,12 +274,22 @@ class GGUFSource:
                            f"(HF names such as {self.keys()[:2]}; see .keys())")
         info = self._infos[hf_name]
         kind = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
-        perm = unrotate_rows(int(info.shape[-1]), self._n_heads()[kind]) if kind in ROTATED else None
+        perm = None
+        if kind in ROTATED:
+            n_rows, n_head = int(info.shape[-1]), self._n_heads()[kind]
+            self._check_heads(info.name, n_rows, n_head)
+            perm = unrotate_rows(n_rows, n_head)
         return GGUFTensor(self, hf_name, info, perm)
 
     def _n_heads(self) -> dict[str, int]:
         heads = self._arch("attention.head_count")
         return {"attn_q": heads, "attn_k": self._arch("attention.head_count_kv", heads)}
+
+    def _check_heads(self, name: str, n_rows: int, n_head) -> None:
+        """llama.cpp's q/k row permutation needs whole heads of an even size."""
+        if not isinstance(n_head, int) or n_head < 1 or n_rows % n_head or (n_rows // n_head) % 2:
+            raise GGUFError(f"{self.path} is corrupt: tensor {name!r} has {n_rows} rows, which {n_head!r} heads "
+                            f"(its head-count metadata) do not split into whole heads of an even size")
 
     __getitem__ = get
 
@@ -281,11 +310,18 @@ class GGUFSource:
     def hf_config(self):
         """A `transformers.LlamaConfig` equal to the one of the checkpoint this came from."""
         from transformers import LlamaConfig
+        try:
+            return LlamaConfig(**self._config_fields())
+        except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+            raise GGUFError(f"{self.path}: its metadata does not make a valid llama config "
+                            f"({type(e).__name__}: {e})") from None
+
+    def _config_fields(self) -> dict:
         hidden, heads = self._arch("embedding_length"), self._arch("attention.head_count")
         head_dim = self._arch("attention.key_length", hidden // heads)
         self._check_head_dim(head_dim)
         meta = self.metadata
-        return LlamaConfig(
+        return dict(
             architectures=["LlamaForCausalLM"],
             vocab_size=self.get_shape("model.embed_tokens.weight")[0],
             hidden_size=hidden, intermediate_size=self._arch("feed_forward_length"),
@@ -330,6 +366,19 @@ class GGUFSource:
                     "original_max_position_embeddings": self._arch("rope.scaling.original_context_length")}
         raise GGUFError(f"{self.path}: rope scaling type {kind!r} (with keys {extra}) cannot be "
                         f"expressed in a LlamaConfig; supported: none, linear, yarn without extra keys")
+
+
+def _read_metadata(reader: gguf.GGUFReader, path: str) -> dict[str, Any]:
+    """The file's key/value metadata (vocabulary arrays left out), or GGUFError naming a corrupt field."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or _is_vocab_field(key):
+            continue
+        try:
+            out[key] = field.contents()
+        except (UnicodeDecodeError, ValueError, IndexError, TypeError) as e:
+            raise GGUFError(f"{path} is corrupt: metadata field {key!r} cannot be read ({e})") from None
+    return out
 
 
 def _is_vocab_field(key: str) -> bool:

@@ -12,8 +12,10 @@ as it does from safetensors. Orbax's own API restores it (`ocp.PyTreeCheckpointe
 .restore(out_dir + "/orbax")`); `OrbaxSource` reads it lazily through tensorstore.
 
 Chunking (zarr v2, no compression, OCDBT): 2-D tensors are chunked `CHUNK` = 64 along the
-dimension tensor parallelism slices (HF dim 0 for column-parallel weights, embeddings
-and lm_head; HF dim 1 for o_proj / down_proj) and whole along the other. A tp shard
+dimension tensor parallelism slices and whole along the other. That dimension is not kept
+in a table here: it is read off the model's own declarations (`tensor_split_dims`: the
+split of the param each tensor feeds, through its name-table entry), e.g. HF dim 0 for
+column-parallel weights, embeddings and lm_head, dim 1 for o_proj / down_proj. A tp shard
 covers whole heads (head_dim is a multiple of 64 in real models), whole 64-row blocks
 of a padded vocab, and intermediate/tp rows (a multiple of 64 in real models), so it
 reads its own chunks and none of its neighbours'. 1-D tensors (norms, biases) are one
@@ -34,10 +36,10 @@ import os
 
 import numpy as np
 
-ORBAX_SUBDIR = "orbax"
+from tp_jax.loaders.dtypes import BY_NAME, FLOATS
+from tp_jax.loaders.sources import ORBAX_SUBDIR, interrupted_orbax, is_orbax_dir, open_checkpoint
+
 CHUNK = 64
-ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")   # tp slices their HF dim 1 (the input)
-DTYPES = ("float32", "bfloat16", "float16")
 WRITE_WINDOW_BYTES = 64 * 2**20     # bytes in flight: OCDBT writes one at a time crawl (~45 MB/s)
 
 
@@ -45,11 +47,11 @@ class OrbaxCheckpointError(ValueError):
     """An Orbax checkpoint directory that is missing, incomplete or not in our layout."""
 
 
-def chunk_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """`CHUNK` along the dim tp slices (see the module docstring), whole along the others."""
+def chunk_shape(shape: tuple[int, ...], split: int | None) -> tuple[int, ...]:
+    """`CHUNK` along `split` (the dim tp slices; dim 0 when none), whole along the others."""
     if len(shape) != 2:
         return tuple(max(1, d) for d in shape)
-    dim = 1 if name.endswith(ROW_PARALLEL) else 0
+    dim = 0 if split is None else split
     return tuple(min(CHUNK, d) if i == dim else d for i, d in enumerate(shape))
 
 
@@ -61,6 +63,7 @@ class _LazyLeaf:
     tensor: object
     shape: tuple[int, ...]
     dtype: np.dtype
+    split: int | None = None          # the dim tp slices (chunked along it)
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +106,7 @@ def _handler():
         if "chunks" not in spec.get("metadata", {}):
             raise RuntimeError(f"orbax built no zarr v2 'chunks' for {info.name!r}; this orbax version's "
                                f"spec layout is not supported by {__name__}")
-        spec["metadata"]["chunks"] = list(chunk_shape(info.name, leaf.shape))
+        spec["metadata"]["chunks"] = list(chunk_shape(leaf.shape, leaf.split))
         return spec
 
     async def write(spec, info, data, window):
@@ -133,26 +136,32 @@ def _handler():
                                                           (jax.Array, ocp.type_handlers.ArrayHandler()))
 
 
-def write_orbax(source, ckpt_dir: str, dtype: str | None = None) -> None:
+def write_orbax(source, ckpt_dir: str, dtype: str | None = None, split_dims: dict | None = None) -> None:
     """Every tensor of `source` (keys() / get(name) -> lazy tensor) as an Orbax checkpoint at `ckpt_dir`.
 
     `dtype` None keeps each tensor's own dtype (a GGUF's quantized tensors come out float32).
+    `split_dims`: tensor name -> the dim tp slices (chunked along it; default dim 0).
     """
     import orbax.checkpoint as ocp
-    if os.path.exists(ckpt_dir):
-        raise FileExistsError(f"{ckpt_dir} already exists; delete it (or pass overwrite=True to "
-                              f"convert_to_orbax) to write a new checkpoint there")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {DTYPES} or None (keep)")
-    target = None if dtype is None else _np_dtype(dtype)
+    _refuse_existing(ckpt_dir)
+    if dtype is not None and dtype not in FLOATS:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {list(FLOATS)} or None (keep)")
+    target = None if dtype is None else BY_NAME[dtype].numpy
     tree = {}
     for name in sorted(source.keys()):
         t = source.get(name)
-        tree[name] = _LazyLeaf(t, tuple(int(d) for d in t.shape), target or _dtype_of(t))
+        tree[name] = _LazyLeaf(t, tuple(int(d) for d in t.shape), target or _dtype_of(t),
+                               (split_dims or {}).get(name))
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=False, use_compression=False,
                                           type_handler_registry=_handler())
     with ocp.Checkpointer(handler) as checkpointer:
         checkpointer.save(os.path.abspath(ckpt_dir), args=ocp.args.PyTreeSave(tree))
+
+
+def _refuse_existing(ckpt_dir: str) -> None:
+    if os.path.exists(ckpt_dir):
+        raise FileExistsError(f"{ckpt_dir} already exists; delete it (or pass overwrite=True to "
+                              f"convert_to_orbax) to write a new checkpoint there")
 
 
 def _dtype_of(t) -> np.dtype:
@@ -162,24 +171,6 @@ def _dtype_of(t) -> np.dtype:
     return np.asarray(t[tuple(slice(0, 1) for _ in t.shape)]).dtype
 
 
-def _np_dtype(name: str) -> np.dtype:
-    import ml_dtypes
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-def open_tensors(path: str):
-    """The tensor source of a checkpoint path: a `.gguf` file, an Orbax or a safetensors directory."""
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        from tp_jax.loaders.gguf import GGUFSource
-        return GGUFSource(path)
-    if is_orbax_dir(path):
-        return OrbaxSource(path)
-    if os.path.isdir(path):
-        from tp_jax.loaders.safetensors import SafetensorsSource
-        return SafetensorsSource(path)
-    raise FileNotFoundError(f"{path!r} is neither a .gguf file nor a model directory")
-
-
 def convert_to_orbax(src: str, out_dir: str, dtype: str | None = None, overwrite: bool = False) -> str:
     """`src` (HF directory, .gguf file, or Orbax directory) -> `out_dir` with config, tokenizer, orbax/.
 
@@ -187,25 +178,28 @@ def convert_to_orbax(src: str, out_dir: str, dtype: str | None = None, overwrite
     """
     import shutil
     from tp_jax.loaders.convert import write_config_and_tokenizer
+    from tp_jax.loaders.model import tensor_split_dims
     if os.path.abspath(src) == os.path.abspath(out_dir):
         raise ValueError(f"convert_to_orbax: source and output are the same directory {out_dir!r}; "
                          f"write to a new directory")
     ckpt = os.path.join(out_dir, ORBAX_SUBDIR)
-    if overwrite and os.path.exists(ckpt):
-        shutil.rmtree(ckpt)
-    source = open_tensors(src)
+    if overwrite:
+        for old in ([ckpt] if os.path.exists(ckpt) else []) + interrupted_orbax(out_dir):
+            shutil.rmtree(old)
+    checkpoint = open_checkpoint(src)
+    _refuse_existing(ckpt)                              # before writing config or tokenizer files
     os.makedirs(out_dir, exist_ok=True)
     write_config_and_tokenizer(src, out_dir, dtype)
-    write_orbax(source, ckpt, dtype)
+    try:
+        write_orbax(checkpoint.source, ckpt, dtype, tensor_split_dims(checkpoint.config))
+    except BaseException:                               # Ctrl-C or a failed write: leave no half checkpoint
+        for left in interrupted_orbax(out_dir):
+            shutil.rmtree(left, ignore_errors=True)
+        raise
     return ckpt
 
 
 # --- reading -------------------------------------------------------------------------------
-
-def is_orbax_dir(path: str) -> bool:
-    """True for a model directory holding an `orbax/` checkpoint next to its config.json."""
-    return os.path.isdir(os.path.join(path, ORBAX_SUBDIR))
-
 
 class OrbaxTensor:
     """One tensor of an Orbax checkpoint: `.shape`, `.dtype`, and `[index]` reading only that slice."""
@@ -304,4 +298,4 @@ def _flatten(tree, prefix: str = "") -> dict:
 
 
 __all__ = ["OrbaxSource", "OrbaxTensor", "OrbaxCheckpointError", "convert_to_orbax", "write_orbax",
-           "chunk_shape", "is_orbax_dir", "open_tensors", "ORBAX_SUBDIR", "CHUNK"]
+           "chunk_shape", "is_orbax_dir", "ORBAX_SUBDIR", "CHUNK"]

@@ -1,16 +1,16 @@
 """Per-device loading: each device's block of each param, read from a weight source and placed
-with `jax.make_array_from_callback` (DESIGN.md contract 3).
+with `jax.make_array_from_callback` (docs/design.md, "Per-device loading").
 
 A *source* has `keys()`, `__contains__` and `get(name) -> lazy tensor` (`.shape` and
 numpy slicing): safetensors, GGUF and Orbax readers all qualify. The param's own layer
-builds the block (`load_block`); this module only finds the layer, the rank and the
-layer range of a device's index, and converts the dtype. Nothing here holds more than
-one device block at a time.
+builds the block (`load_block`) from its parts, each seen through its entry's view
+(layout, row offset); this module only finds the rank and the layer range of a device's
+index, converts the dtype and checks that the block is finite. Nothing here holds more
+than one device block at a time.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -18,68 +18,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from tp_jax.parallel.layers.loading import WeightShapeError
-from tp_jax.loaders.names import Entry
+from tp_jax.loaders.bind import (Binding, CheckpointMismatchError, MissingWeightError, NameTableError, as_table,
+                                 bind, check_source)
+from tp_jax.parallel.layers import Entry, WeightTable
 from tp_jax.parallel.mesh import TP
 
 
-class MissingWeightError(KeyError):
-    def __str__(self):
-        return str(self.args[0])
-
-
-@dataclasses.dataclass
-class Binding:
-    """One model param and the HF tensors (templates, `{i}` = layer) that fill its parts."""
-    path: str
-    module: nnx.Module
-    name: str
-    parts: dict[str, str]
-    stacked: bool
-
-    def hf_names(self, layer: int | None) -> dict[str, str]:
-        return {p: t.format(i=layer) for p, t in self.parts.items()}
-
-
-def bind(model: nnx.Module, table: Sequence[Entry]) -> list[Binding]:
-    """Match every param of `model` with its table entries; refuse params nothing fills."""
-    state = nnx.state(model, nnx.Param)
-    by_param: dict[str, dict[str, str]] = {}
-    for e in table:
-        by_param.setdefault(e.param, {})[e.part] = e.hf
-    out = []
-    for path, _ in nnx.to_flat_state(state):
-        key = ".".join(str(p) for p in path)
-        if key not in by_param:
-            raise ValueError(f"no checkpoint tensor maps to param {key!r}; add it to the name table")
-        module = model
-        for p in path[:-1]:
-            module = getattr(module, str(p))
-        parts = by_param[key]
-        stacked = any("{i}" in t for t in parts.values())
-        out.append(Binding(key, module, str(path[-1]), parts, stacked))
-    return out
-
-
-def check_source(bindings: list[Binding], source, num_layers: int) -> None:
-    """Every needed tensor exists with the shape its layer expects, before anything is read."""
-    missing = []
-    for b in bindings:
-        decl = b.module.loading()[b.name]
-        for layer in (range(num_layers) if b.stacked else [None]):
-            for part, hf in b.hf_names(layer).items():
-                if hf not in source:
-                    missing.append(hf)
-                    continue
-                expected = decl.parts[part].hf_shape
-                got = tuple(source.get(hf).shape)
-                if got != tuple(expected):
-                    raise WeightShapeError(f"tensor {hf!r} has shape {got}, expected {tuple(expected)} "
-                                           f"(for param {b.path}); does the checkpoint match config.json?")
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise MissingWeightError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
-                                 f"{missing[:5]}{more}")
+class NonFiniteWeightError(ValueError):
+    """A checkpoint tensor holding NaN or infinity (or overflowing the run dtype)."""
 
 
 def _tp_dim(spec) -> int | None:
@@ -89,7 +35,23 @@ def _tp_dim(spec) -> int | None:
     return None
 
 
-def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map: Sequence[int]) -> jax.Array:
+def _check_finite(block: np.ndarray, b: Binding, names: dict[str, str], rank: int, source_block) -> None:
+    if not np.issubdtype(block.dtype, np.floating) and block.dtype.kind != "V":
+        bad = 0
+    else:
+        bad = int(block.size - np.count_nonzero(np.isfinite(block)))
+    if not bad:
+        return
+    tensors = sorted(set(names.values()))
+    src_bad = int(np.size(source_block) - np.count_nonzero(np.isfinite(np.asarray(source_block, np.float32))))
+    why = ("hold NaN or infinity: the checkpoint is damaged; re-download or re-convert it" if src_bad else
+           f"overflow {block.dtype} (values beyond its range): load in float32 or bfloat16")
+    raise NonFiniteWeightError(f"tensor(s) {tensors} (param {b.path!r}, tp rank {rank}) {why}; {bad} non-finite "
+                               f"value(s) in this block. check_weights=False skips this check")
+
+
+def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map: Sequence[int],
+                check_finite: bool = True) -> jax.Array:
     """The global array of one param, each device's block built by its layer from `source`.
 
     Stacked params follow `layer_map` (slot -> HF layer; -1 = an identity layer: zeros).
@@ -98,9 +60,13 @@ def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map
     tp_dim, tp = _tp_dim(spec), mesh.shape[TP]
 
     def one(rank: int, layer: int | None) -> np.ndarray:
-        names = b.hf_names(layer)
-        tensors = {p: source.get(n) for p, n in names.items()}
-        return np.asarray(b.module.load_block(b.name, rank, tensors, names), dtype=dtype)
+        names = b.tensor_names(layer)
+        raw = b.module.load_block(b.name, rank, b.tensors(source, layer), names)
+        with np.errstate(over="ignore"):               # overflow is reported by the finite check
+            block = np.asarray(raw, dtype=dtype)
+        if check_finite:
+            _check_finite(block, b, names, rank, raw)
+        return block
 
     def block(index):
         rank = 0 if tp_dim is None else (index[tp_dim].start or 0) // (shape[tp_dim] // tp)
@@ -116,33 +82,41 @@ def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map
     return jax.make_array_from_callback(shape, sharding, block)
 
 
-def load_state(model: nnx.Module, mesh: Mesh, source, table: Sequence[Entry], num_layers: int, dtype,
-               progress: bool = True):
+def load_state(model: nnx.Module, mesh: Mesh, source, table: WeightTable | Sequence[Entry], num_layers: int, dtype,
+               progress: bool = True, *, check_weights: bool = True) -> dict:
     """Real params for an abstract `model` (from `nnx.eval_shape`), placed per device.
 
-    A model with pipeline padding exposes `layer_map` (stacked slot -> HF layer, -1 = identity).
+    Everything is checked before any tensor data is read: the table against the model
+    (`bind`), then the checkpoint's names and shapes against the table (`check_source`).
+    `check_weights` checks every block for NaN / infinity as it is read (cheap: one pass
+    over data already in memory). A model with pipeline padding exposes `layer_map`
+    (stacked slot -> HF layer, -1 = identity). Returns {param path: jax.Array} for `fill`.
     """
+    table = as_table(table)
     layer_map = tuple(getattr(model, "layer_map", range(num_layers)))
     bindings = bind(model, table)
-    check_source(bindings, source, num_layers)
+    check_source(bindings, source, table, num_layers)
     state = nnx.state(model, nnx.Param)
-    specs = nnx.get_partition_spec(state)
-    flat_specs = dict(nnx.to_flat_state(specs))
+    flat_specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
+    flat_state = dict(nnx.to_flat_state(state))
     loaded = {}
     from tqdm.auto import tqdm
-    for b, (path, var) in zip(bindings, tqdm(nnx.to_flat_state(state), desc="loading weights", unit="param",
-                                             disable=not progress)):
-        loaded[path] = place_param(b, var.get_value(), flat_specs[path].get_value(), mesh, source, dtype,
-                                   layer_map)
+    with tqdm(total=len(bindings), desc="loading weights", unit="param", disable=not progress) as bar:
+        for b in bindings:
+            loaded[b.key] = place_param(b, flat_state[b.key].get_value(), flat_specs[b.key].get_value(), mesh,
+                                        source, dtype, layer_map, check_weights)
+            bar.update(1)
     return loaded
 
 
 def fill(model: nnx.Module, loaded: dict) -> None:
+    """Put `load_state`'s arrays into the (abstract) model's params, in place."""
     for path, value in loaded.items():
         module = model
         for p in path[:-1]:
-            module = getattr(module, str(p))
+            module = module[p] if isinstance(p, int) else getattr(module, str(p))
         getattr(module, str(path[-1])).set_value(value)
 
 
-__all__ = ["bind", "check_source", "load_state", "fill", "place_param", "MissingWeightError"]
+__all__ = ["bind", "check_source", "load_state", "fill", "place_param", "MissingWeightError", "NameTableError",
+           "CheckpointMismatchError", "NonFiniteWeightError"]

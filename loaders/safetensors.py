@@ -1,8 +1,10 @@
 """A lazy reader over one `model.safetensors` or an index-sharded checkpoint.
 
-Headers are parsed up front (so a truncated or corrupt file fails before loading
-starts, naming the file); tensor data is only read through `get(name)[slices]`, which
-reads just that slice through safetensors' `get_slice`.
+Headers (and the index) are parsed and checked up front, so a truncated or corrupt file
+fails before loading starts with a `CheckpointError` naming the file: every entry must
+have a known dtype, a shape of non-negative ints and byte offsets that match that shape
+and lie inside the file without overlapping. Tensor data is only read through
+`get(name)[slices]`, which reads just that slice through safetensors' `get_slice`.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import struct
 
 import numpy as np
 
-SUPPORTED_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
-ALL_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-              "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+from tp_jax.loaders.dtypes import BY_NAME, BY_SAFETENSORS, FLOATS
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+MAX_HEADER = 100 * 2**20
+LOADABLE = tuple(BY_NAME[n].safetensors for n in FLOATS)      # dtypes a tensor may have on disk
 
 
 class CheckpointError(ValueError):
@@ -26,10 +29,13 @@ class CheckpointError(ValueError):
 
 
 class SafetensorsTensor:
-    """One tensor: `.shape`, `.dtype` (the file's), and `[slices]` reading only that slice."""
+    """One tensor: `.shape`, `.file_dtype` (the file's), and `[slices]` reading only that slice."""
 
     def __init__(self, path: str, name: str, shape: tuple[int, ...], dtype: str):
         self.path, self.name, self.shape, self.file_dtype = path, name, shape, dtype
+
+    def __repr__(self) -> str:
+        return f"SafetensorsTensor({self.name!r}, shape={self.shape}, {self.file_dtype}, {self.path})"
 
     def __getitem__(self, index) -> np.ndarray:
         from safetensors import safe_open
@@ -45,25 +51,74 @@ def read_header(path: str) -> dict[str, dict]:
         if len(raw) < 8:
             raise CheckpointError(f"{path} is not a safetensors file: {size} bytes, too short for a header")
         (n,) = struct.unpack("<Q", raw)
-        if n > size - 8 or n > 100 * 2**20:
+        if n > size - 8 or n > MAX_HEADER:
             raise CheckpointError(f"{path} is truncated or corrupt: header length {n} exceeds file size {size}")
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path} is corrupt: its header is not valid JSON ({e})") from e
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{path} is corrupt: its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is corrupt: its header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
+    spans = []
     for name, info in header.items():
-        _check_entry(path, name, info, size - 8 - n)
+        spans.append((*_check_entry(path, name, info, size - 8 - n), name))
+    _check_covered(path, sorted(spans), size - 8 - n)
     return header
 
 
-def _check_entry(path: str, name: str, info: dict, data_size: int) -> None:
-    dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+def _check_covered(path: str, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """The tensors tile the data section exactly, as the format requires (no overlap, hole or tail).
+
+    A header whose length or offsets were damaged would otherwise read other bytes as a tensor."""
+    end, prev = 0, None
+    for begin, stop, name in spans:
+        if begin != end:
+            what = f"overlaps {prev!r}" if begin < end else f"leaves bytes {end}..{begin} unused"
+            raise CheckpointError(f"{path} is corrupt: tensor {name!r} at bytes {begin}..{stop} of the data "
+                                  f"section {what}")
+        end, prev = stop, name
+    if end != data_size:
+        raise CheckpointError(f"{path} is corrupt: its tensors cover {end} bytes of a {data_size}-byte data "
+                              f"section (damaged header length or offsets); re-download or re-save it")
+
+
+def _check_entry(path: str, name: str, info, data_size: int) -> tuple[int, int]:
+    """(begin, end) of a header entry, or CheckpointError saying what is wrong with it."""
+    bad = f"{path} is corrupt: header entry {name!r}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise CheckpointError(f"{bad} is not {{dtype, shape, data_offsets}}: {str(info)[:100]}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in BY_SAFETENSORS:
+        raise CheckpointError(f"{bad} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise CheckpointError(f"{bad} has shape {shape!r}, not a list of non-negative ints")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{bad} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+    begin, end = offsets
     if end > data_size:
         raise CheckpointError(f"{path} is truncated: tensor {name!r} needs bytes up to {end} of the data "
                               f"section but the file holds {data_size}; re-download or re-save it")
-    if dtype in ALL_DTYPES and end - begin != math.prod(shape) * ALL_DTYPES[dtype]:
-        raise CheckpointError(f"{path} is corrupt: tensor {name!r} ({dtype}{shape}) has {end - begin} bytes")
+    if end - begin != math.prod(shape) * BY_SAFETENSORS[dtype].itemsize:
+        raise CheckpointError(f"{bad} ({dtype}{shape}) spans {end - begin} bytes, which does not fit its shape")
+    return begin, end
+
+
+def read_index(path: str) -> dict[str, str]:
+    """`model.safetensors.index.json`'s weight map (tensor name -> file name), checked."""
+    try:
+        with open(path, "rb") as f:
+            index = json.loads(f.read())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); re-download it") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{path} has no \"weight_map\" object (tensor name -> file name); re-download it")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or os.path.basename(file) != file:
+            raise CheckpointError(f"{path}: tensor {name!r} maps to {file!r}, not a file name in the directory")
+    return weight_map
 
 
 class SafetensorsSource:
@@ -72,24 +127,40 @@ class SafetensorsSource:
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
         self._tensors: dict[str, SafetensorsTensor] = {}
-        for path in self._files():
+        weight_map, index = self._weight_map()
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+        for file in files:
+            path = os.path.join(model_dir, file)
             for name, info in read_header(path).items():
+                if name in self._tensors:
+                    raise CheckpointError(f"tensor {name!r} is in both {self._tensors[name].path} and {path}")
                 self._tensors[name] = SafetensorsTensor(path, name, tuple(info["shape"]), info["dtype"])
+        if weight_map:
+            self._check_index(index, weight_map)
 
-    def _files(self) -> list[str]:
+    def _weight_map(self) -> tuple[dict[str, str] | None, str]:
         index = os.path.join(self.model_dir, INDEX)
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map", {})
-            files = sorted(set(weight_map.values()))
-            missing = [p for p in files if not os.path.isfile(os.path.join(self.model_dir, p))]
+            weight_map = read_index(index)
+            missing = sorted({p for p in weight_map.values() if not os.path.isfile(os.path.join(self.model_dir, p))})
             if missing:
                 raise CheckpointError(f"{index} lists files that are missing: {missing}")
-            return [os.path.join(self.model_dir, p) for p in files]
-        single = os.path.join(self.model_dir, SINGLE)
-        if os.path.isfile(single):
-            return [single]
+            return weight_map, index
+        if os.path.isfile(os.path.join(self.model_dir, SINGLE)):
+            return None, ""
         raise FileNotFoundError(f"no {SINGLE} or {INDEX} in {self.model_dir!r}")
+
+    def _check_index(self, index: str, weight_map: dict[str, str]) -> None:
+        """The index and the files' headers must agree on every tensor and where it lives."""
+        for name, file in weight_map.items():
+            t = self._tensors.get(name)
+            if t is None or os.path.basename(t.path) != file:
+                raise CheckpointError(f"{index} puts tensor {name!r} in {file}, which does not hold it"
+                                      + (f" (it is in {os.path.basename(t.path)})" if t else ""))
+        unlisted = sorted(set(self._tensors) - set(weight_map))
+        if unlisted:
+            raise CheckpointError(f"{index} does not list tensor(s) {unlisted[:5]} held by "
+                                  f"{sorted({os.path.basename(self._tensors[n].path) for n in unlisted})}")
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -101,7 +172,7 @@ class SafetensorsSource:
         if name not in self._tensors:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir!r}")
         t = self._tensors[name]
-        if t.file_dtype not in SUPPORTED_DTYPES:
+        if t.file_dtype not in LOADABLE:
             raise CheckpointError(f"tensor {name!r} in {t.path} has dtype {t.file_dtype}; supported on disk: "
-                                  f"{', '.join(SUPPORTED_DTYPES)}")
+                                  f"{', '.join(LOADABLE)}")
         return t

@@ -22,7 +22,9 @@ prefill chunk never builds a [T, T] matrix over a whole prompt.
 
 `PAGED_BACKENDS` maps a name to an implementation with `paged_reference`'s signature; the
 reference (gather + masked softmax in jax.numpy) runs everywhere and is the oracle for any
-fused kernel registered for an accelerator.
+other: "jax_nn" computes each group with `jax.nn.dot_product_attention` (XLA on CPU, cuDNN's
+fused kernel on a GPU where it supports the shape), and a Pallas kernel for an accelerator
+registers the same way (`LLM(attention_backend=...)`).
 """
 
 from __future__ import annotations
@@ -71,25 +73,45 @@ def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
 
     prefill_index[P, T]: the flat token of each prefill row slot (N for padding).
     """
+    return _paged(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window,
+                  attention)
+
+
+def _paged(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window, attend_fn):
     d, p = decode_tables.shape[0], prefill_tables.shape[0]
     n, hq, hd = q.shape
     out = jnp.zeros((n, hq * hd), q.dtype)
     if d:
         k = gather_rows(k_pool, layer, decode_tables)
         v = gather_rows(v_pool, layer, decode_tables)
-        dec = attention(q[:d, None], k, v, positions[:d, None], jnp.arange(k.shape[1]), scale, window)[:, 0]
+        dec = attend_fn(q[:d, None], k, v, positions[:d, None], jnp.arange(k.shape[1]), scale, window)[:, 0]
         out = out.at[:d].set(dec)
     if p:
         k = gather_rows(k_pool, layer, prefill_tables)
         v = gather_rows(v_pool, layer, prefill_tables)
         q_rows = jnp.take(q, prefill_index, axis=0, mode="fill", fill_value=0)          # [P, T, Hq, hd]
         pos_rows = jnp.take(positions, prefill_index, axis=0, mode="fill", fill_value=0)
-        pre = attention(q_rows, k, v, pos_rows, jnp.arange(k.shape[1]), scale, window)  # [P, T, Hq * hd]
+        pre = attend_fn(q_rows, k, v, pos_rows, jnp.arange(k.shape[1]), scale, window)  # [P, T, Hq * hd]
         out = out.at[prefill_index].set(pre, mode="drop")
     return out
 
 
-PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference}
+def _sdpa(q, k, v, q_pos, k_pos, scale, window):
+    """`attention` through jax.nn.dot_product_attention (cuDNN's fused kernel where the GPU supports it)."""
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]                          # [R, T, S]
+    if window is not None:
+        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - window
+    out = jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], scale=scale)
+    return out.reshape(*q.shape[:2], -1)
+
+
+def paged_sdpa(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window):
+    """`paged_reference` with each group's attention in jax.nn.dot_product_attention."""
+    return _paged(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window,
+                  _sdpa)
+
+
+PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "jax_nn": paged_sdpa}
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache=None, *, scale: float,

@@ -4,15 +4,20 @@ A query at position p sees the keys at positions p - w < k <= p (w = `sliding_wi
 itself included), exactly transformers' `sliding_window_overlay`; its cache keeps the
 last w - 1 keys plus the new one, so cached decode sees the same keys. `LlamaAttention`
 already reads `cfg.sliding_window` (None for Mistral checkpoints without a window), so
-nothing but the registration differs from Llama.
+only the config map (every layer slides) and the registration differ from Llama.
 """
 
 from __future__ import annotations
 
-from tp_jax.models.llama import LlamaForCausalLM
+import functools
+
+from tp_jax.models.llama import LlamaForCausalLM, llama_config, llama_weights
 from tp_jax.models.registry import register
 
 
-@register("MistralForCausalLM")
 class MistralForCausalLM(LlamaForCausalLM):
     """Same params and weight names as Llama; `config.sliding_window` bounds every layer's attention."""
+
+
+register("MistralForCausalLM", MistralForCausalLM, config=functools.partial(llama_config, window="all"),
+         weights=llama_weights)

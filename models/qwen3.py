@@ -10,12 +10,14 @@ q/k/v/o biases follow `attention_bias` (off in released checkpoints); head_dim i
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from flax import nnx
 
 from tp_jax.parallel.layers.norm import RMSNorm
 from tp_jax.models.config import ModelConfig
-from tp_jax.models.llama import LlamaAttention, LlamaForCausalLM, llama_model_with
+from tp_jax.models.llama import LlamaAttention, LlamaForCausalLM, llama_config, llama_model_with, llama_weights
 from tp_jax.models.registry import register
 
 
@@ -32,7 +34,10 @@ class Qwen3Attention(LlamaAttention):
         return self.q_norm(q), self.k_norm(k)
 
 
-@register("Qwen3ForCausalLM")
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Llama's params plus self_attn.q_norm / k_norm [head_dim] per layer."""
     model_cls = llama_model_with(Qwen3Attention)
+
+
+register("Qwen3ForCausalLM", Qwen3ForCausalLM,
+         config=functools.partial(llama_config, window="per_layer", qk_norm=True), weights=llama_weights)

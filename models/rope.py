@@ -1,18 +1,59 @@
 """Rotary position embeddings (HF "rotate_half" layout) with default / linear / dynamic / llama3 scaling.
 
+`rope_from_hf` reads the rope fields of an HF config (`rope_parameters`, or the older
+`rope_scaling` / `rope_theta`) and refuses scaling types and keys it does not implement.
 `dynamic` (NTK) equals `default` for positions below max_position_embeddings, the only
 range the engine allows (max_model_len <= max_position_embeddings).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tp_jax.models.config import RopeConfig
+from tp_jax.models.config import UnsupportedConfigError
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta")      # the HF config fields rope_from_hf reads
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (transformers' names): theta and the scaling type with its factors."""
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.type not in ROPE_TYPES:
+            raise UnsupportedConfigError(f"rope_scaling type {self.type!r} is not supported; supported: {ROPE_TYPES}")
+
+
+def rope_from_hf(hf) -> RopeConfig:
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise UnsupportedConfigError(f"config field rope_scaling/rope_parameters: rope_type {kind!r} is not "
+                                     f"supported; supported: {', '.join(ROPE_TYPES)}")
+    known = {"rope_theta", "rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
+             "original_max_position_embeddings"}
+    extra = sorted(k for k, v in params.items() if k not in known and v not in (None, 1.0))
+    if extra:
+        raise UnsupportedConfigError(f"config field rope_parameters has unsupported keys {extra} "
+                                     f"(rope_type {kind!r})")
+    return RopeConfig(theta=float(theta), type=kind, factor=float(params.get("factor", 1.0)),
+                      low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                      high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                      original_max_position_embeddings=int(params.get(
+                          "original_max_position_embeddings", getattr(hf, "max_position_embeddings", 8192))))
 
 
 def inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

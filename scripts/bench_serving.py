@@ -35,6 +35,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[8, 512], metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=[8, 256], metavar=("MIN", "MAX"))
     ap.add_argument("--rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at once)")
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt every request starts with")
+    ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
@@ -52,10 +54,10 @@ def make_workload(args, vocab: int) -> list[dict]:
     n = args.num_requests
     gaps = np.zeros(n) if np.isinf(args.rate) else rng.exponential(1 / args.rate, n)
     arrivals = np.cumsum(gaps) - gaps[0]
-    out = []
+    out, shared = [], rng.integers(100, vocab - 100, args.shared_prefix).tolist()
     for i in range(n):
         plen = int(rng.integers(args.prompt_len[0], args.prompt_len[1] + 1))
-        out.append({"id": f"b{i}", "prompt": rng.integers(100, vocab - 100, plen).tolist(),
+        out.append({"id": f"b{i}", "prompt": shared + rng.integers(100, vocab - 100, plen).tolist(),
                     "max_tokens": int(rng.integers(args.output_len[0], args.output_len[1] + 1)),
                     "arrival": float(arrivals[i])})
     return out
@@ -92,15 +94,21 @@ def bench_ours(args, work):
     CompileClock.start()
     llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
               data_parallel_size=args.dp, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, progress=False)
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+              progress=False)
     t = time.monotonic()
     run_ours(llm, work)                                   # warm-up: compiles the step shapes it needs
     warm = time.monotonic() - t
     core = llm.engine.core
     core.reset_prefix_cache()
-    steps0, pre0, compile0 = core.stats["steps"], core.stats["preemptions"], CompileClock.total
+    before = dict(core.stats)
+    compile0 = CompileClock.total
+    hits0 = sum(b.prefix_hits for b in core.scheduler.blocks)
     summary, extra = run_ours(llm, work)
-    summary.update(extra, preemptions=core.stats["preemptions"] - pre0, steps=core.stats["steps"] - steps0,
+    delta = lambda k: core.stats[k] - before[k]
+    summary.update(extra, preemptions=delta("preemptions"), steps=delta("steps"),
+                   scheduled_tokens=delta("scheduled_tokens"),
+                   prefix_cache_hit_tokens=sum(b.prefix_hits for b in core.scheduler.blocks) - hits0,
                    kv_pool_blocks=core.pool.num_blocks, compiled_step_shapes=len(core.runner.compiled_shapes),
                    warmup_s=round(warm, 1), compile_s_in_timed_run=round(CompileClock.total - compile0, 2))
     return llm, summary
@@ -157,7 +165,8 @@ def main(argv=None) -> int:
     work = make_workload(args, cfg.vocab_size)
     result = {"model": os.path.basename(model_path), "platform": jax.default_backend(), "tp": args.tp, "pp": args.pp,
               "dp": args.dp, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
-              "output_len": args.output_len, "rate": "inf" if np.isinf(args.rate) else args.rate}
+              "output_len": args.output_len, "shared_prefix": args.shared_prefix,
+              "rate": "inf" if np.isinf(args.rate) else args.rate}
     llm, result["tp_jax"] = bench_ours(args, work)
     if not args.no_transformers:
         result["transformers"] = bench_transformers(llm.model_path, work)

@@ -14,6 +14,10 @@ if "collective_call_terminate_timeout" not in _flags:
     _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=60"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# the KV pools of the many models a session loads: at most 512 MiB each by default (see kv_pool.py)
+os.environ.setdefault("TP_JAX_CPU_KV_CACHE_BYTES", str(512 * 2**20))
+# JAX's persistent compilation cache (on by default in LLM) in a directory of this session, never ~/.cache
+os.environ.setdefault("TP_JAX_COMPILE_CACHE", __import__("tempfile").mkdtemp(prefix="tp_jax_xla_"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -197,3 +197,31 @@ def test_script_end_to_end_tp8(tokenized):
     ids = AutoTokenizer.from_pretrained(tokenized)("Hello there").input_ids
     assert out["token_ids"] == hf_greedy(tokenized, ids, 10)
     assert "decode" in r.stderr and "time to first token" in r.stderr
+
+
+def test_generation_config_eos_ids_end_generation(hf_refs, tmp_path):
+    """An end-of-turn id listed only in generation_config.json stops generation (as transformers does)."""
+    import json
+    import shutil
+    path, refs = hf_refs["gqa"]
+    copy = str(tmp_path / "gen_eos")
+    shutil.copytree(path, copy)
+    stop_at = refs[1][4]
+    with open(os.path.join(copy, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, stop_at]}, f)
+    llm = LLM(copy, progress=False)
+    assert stop_at in llm.eos_token_ids()
+    out = llm.generate(PROMPTS[1], GREEDY)[0].outputs[0]
+    assert out.token_ids == refs[1][:refs[1].index(stop_at) + 1] and out.finish_reason == "stop"
+
+
+def test_many_unbounded_requests_queue_in_a_fixed_pool(hf_refs):
+    """256 prompts with max_tokens=None: the pool never grows, requests wait or are preempted, all finish."""
+    path, _ = hf_refs["gqa"]
+    llm = LLM(path, max_model_len=24, num_gpu_blocks=12, block_size=8, progress=False)
+    pool = llm.engine.core.pool
+    outs = llm.generate([[i % 997 + 1, 7, 9] for i in range(256)], SamplingParams(max_tokens=None, temperature=0.0,
+                                                                                  ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 21 and o.outputs[0].finish_reason == "length" for o in outs)
+    assert llm.engine.core.pool is pool and pool.num_blocks == 12
+    assert llm.engine.core.stats["max_running"] <= 12                  # each running request holds a block

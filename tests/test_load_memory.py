@@ -1,4 +1,4 @@
-"""Peak host memory while loading stays near one tensor slice, not the model (DESIGN.md contract 3).
+"""Peak host memory while loading stays near one tensor slice, not the model (docs/design.md, per-device loading).
 
 On CPU the "devices" live in host memory, so the loaded params themselves show up in RSS;
 what must stay small is everything else: peak RSS - baseline - bytes of the placed params.
@@ -30,7 +30,8 @@ def rss(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
-source, cfg = open_checkpoint(sys.argv[1])
+ckpt = open_checkpoint(sys.argv[1])
+source, cfg = ckpt.source, ckpt.config
 mesh = make_mesh(tp=8)
 jax.block_until_ready(jnp.ones(8))
 base = rss("VmRSS:")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -11,7 +12,7 @@ from safetensors.numpy import load_file, save_file
 from tests.tiny_models import make_checkpoint
 from tp_jax.parallel.layers.loading import WeightShapeError
 from tp_jax.serving.llm import LLM
-from tp_jax.loaders.place import MissingWeightError
+from tp_jax.loaders.place import CheckpointMismatchError, MissingWeightError, NonFiniteWeightError
 from tp_jax.loaders.safetensors import CheckpointError
 from tp_jax.models.config import UnsupportedConfigError
 
@@ -101,7 +102,7 @@ def test_unsupported_dtype_on_disk(good, tmp_path):
     def edit(t):
         t["model.norm.weight"] = t["model.norm.weight"].astype(np.float64)
     path = copy(good, tmp_path, edit)
-    with pytest.raises(CheckpointError, match=r"'model.norm.weight' .* has dtype F64; supported on disk: F32, F16, BF16"):
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' .* has dtype F64; supported on disk: F32, BF16, F16"):
         LLM(path, progress=False)
 
 
@@ -118,3 +119,119 @@ def test_too_many_devices(good):
 def test_max_model_len_beyond_the_model(good):
     with pytest.raises(ValueError, match=r"max_model_len=4096 must be in \[1, 128\]"):
         LLM(good, max_model_len=4096, progress=False)
+
+
+# --- a checkpoint that does not match its config.json (issue 16, item 2; issue 15, item 1) --------
+
+CONFIG_MISMATCHES = {
+    "fewer layers than the weights": (
+        dict(num_hidden_layers=1), CheckpointMismatchError,
+        r"holds 9 tensor\(s\) that no param takes: \['model.layers.1\..*it has layers up to 1 \(2 layers\) but "
+        r"config.json says num_hidden_layers=1"),
+    "more layers than the weights": (
+        dict(num_hidden_layers=3), MissingWeightError,
+        r"lacks 9 tensor\(s\) the model needs: \['model.layers.2\..*the checkpoint has layers 0..1 \(2 layers\) "
+        r"but config.json says 3"),
+    "another vocab": (
+        dict(vocab_size=1200), WeightShapeError,
+        r"tensors with the wrong shape \(2 problems\)(.|\n)*tensor 'model.embed_tokens.weight' has shape "
+        r"\(1000, 64\), expected \(1200, 64\) \(param 'model.embed_tokens.embedding' part 'weight', "
+        r"Entry\(hf='model.embed_tokens.weight'"),
+    "an unknown field": (
+        dict(embedding_multiplier=12.0), UnsupportedConfigError,
+        r"config field embedding_multiplier=12.0 is not supported by tp_jax's LlamaForCausalLM \(not a field of "
+        r"LlamaConfig\); it reads only \[.*'rms_norm_eps'"),
+    "a missing required field": (
+        dict(intermediate_size=None), UnsupportedConfigError,
+        r"config.json lacks the field 'intermediate_size', which LlamaForCausalLM requires"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_MISMATCHES))
+def test_config_that_does_not_fit_is_refused(good, tmp_path, case):
+    change, error, msg = CONFIG_MISMATCHES[case]
+
+    def edit(cfg):
+        cfg.update(change)
+        for k in [k for k, v in change.items() if v is None]:
+            cfg.pop(k)
+    with pytest.raises(error, match=msg):
+        LLM(copy(good, tmp_path, edit_config=edit), progress=False)
+
+
+def test_stray_tensor(good, tmp_path):
+    path = copy(good, tmp_path, lambda t: t.update({"model.extra_proj.weight": np.zeros((4, 4), np.float32)}))
+    with pytest.raises(CheckpointMismatchError, match=r"holds 1 tensor\(s\) that no param takes: "
+                                                      r"\['model.extra_proj.weight'\]"):
+        LLM(path, progress=False)
+
+
+# --- non-finite weights (issue 16, item 3) ---------------------------------------------------------
+
+def test_nan_weight_is_refused_unless_the_check_is_off(good, tmp_path):
+    def edit(t):
+        t["model.layers.1.mlp.down_proj.weight"][3, 5] = np.nan
+    path = copy(good, tmp_path, edit)
+    with pytest.raises(NonFiniteWeightError, match=r"tensor\(s\) \['model.layers.1.mlp.down_proj.weight'\] \(param "
+                                                   r"'model.layers.layers.mlp.down_proj.kernel', tp rank 0\) hold NaN "
+                                                   r"or infinity: the checkpoint is damaged.*check_weights=False"):
+        LLM(path, tensor_parallel_size=2, progress=False)
+    logits = LLM(path, progress=False, check_weights=False).get_logits([[1, 2, 3]])
+    assert np.isnan(logits).all()              # the flag skips the check; the NaN reaches every logit
+
+
+def test_weight_overflowing_float16(good, tmp_path):
+    def edit(t):
+        t["model.norm.weight"][0] = 1e6
+    path = copy(good, tmp_path, edit)
+    with pytest.raises(NonFiniteWeightError, match=r"\['model.norm.weight'\] .* overflow float16"):
+        LLM(path, dtype="float16", progress=False)
+
+
+# --- small loader defects (issue 16, item 12) --------------------------------------------------------
+
+def test_architectures_given_as_a_string(good, tmp_path):
+    path = copy(good, tmp_path, edit_config=lambda c: c.update(architectures="LlamaForCausalLM"))
+    assert LLM(path, progress=False).config.architecture == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("{not json", r"model.safetensors.index.json is not valid JSON"),
+    ('{"metadata": {}}', r"model.safetensors.index.json has no \"weight_map\" object"),
+    ('{"weight_map": {"model.norm.weight": "../model.safetensors"}}',
+     r"model.safetensors.index.json: tensor 'model.norm.weight' maps to '../model.safetensors', not a file name"),
+    ('{"weight_map": {"model.norm.weight": "model.safetensors"}}',
+     r"model.safetensors.index.json does not list tensor\(s\) \['lm_head.weight'"),
+    ('{"weight_map": {"model.nrm.weight": "model.safetensors"}}',
+     r"model.safetensors.index.json puts tensor 'model.nrm.weight' in model.safetensors, which does not hold it"),
+])
+def test_invalid_index_names_the_file(good, tmp_path, text, msg):
+    path = copy(good, tmp_path)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        f.write(text)
+    with pytest.raises(CheckpointError, match=msg):
+        LLM(path, progress=False)
+
+
+def test_upper_case_gguf_suffix(tmp_path):
+    from tests.test_gguf import quantized_file, tiny_hf_tensors
+    from tp_jax.loaders.gguf import GGUFSource, QT
+    from tp_jax.loaders.sources import open_checkpoint
+    path = quantized_file(tmp_path / "M.GGUF", QT.F32, tiny_hf_tensors())
+    ckpt = open_checkpoint(path)
+    assert isinstance(ckpt.source, GGUFSource) and ckpt.config.num_layers == 1
+
+
+def test_progress_bar_ends_at_100_percent(good, capfd):
+    LLM(good, progress=True)
+    bars = capfd.readouterr().err.replace("\r", "\n").splitlines()
+    last = [b for b in bars if b.startswith("loading weights")][-1]
+    assert re.match(r"loading weights: 100%\|.*\| (\d+)/\1 ", last), last
+
+
+# --- the config map (issue 15, item 1) ----------------------------------------------------------
+
+def test_fields_without_effect_on_inference_are_accepted(good, tmp_path):
+    path = copy(good, tmp_path, edit_config=lambda c: c.update(attention_dropout=0.1, initializer_range=0.5,
+                                                               use_cache=False))
+    assert LLM(path, progress=False).config.num_layers == 2

@@ -4,7 +4,9 @@ One launch of tests/multihost_worker.py covers the tiny model: greedy tokens at 
 dp=2 x tp=4 and pp=2 x tp=4 equal one process with 8 devices and transformers; each
 process's loader reads only its own devices' blocks; tp groups spanning processes and
 disagreeing arguments are refused; then a rank is killed mid-generation and the launcher must stop the job. Other
-tests: the launcher alone, a wrong coordinator address, mismatched process counts, SmolLM2.
+tests: the launcher alone, a wrong coordinator address, mismatched process counts, SmolLM2; and two
+scripts/generate.py processes started by hand (no launcher): pure JSON on stdout, and a peer killed or frozen
+mid-run ends the survivor with one line and exit code 3.
 """
 
 import json
@@ -19,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.tiny_models import hf_greedy, make_checkpoint
+from tests.tiny_models import hf_greedy, make_checkpoint, make_tokenized_checkpoint
 from tp_jax.multihost.launcher import free_port, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +154,7 @@ def _gone(pid: int) -> bool:
 
 
 def test_killing_a_rank_mid_run_stops_the_job_naming_it(tiny):
-    assert tiny["code"] != 0 and tiny["exit_s"] < 60, (tiny["code"], tiny["exit_s"])
+    assert tiny["code"] == 3 and tiny["exit_s"] < 60, (tiny["code"], tiny["exit_s"])    # 3: a dead peer
     assert "rank 1 failed (killed by SIGKILL); stopped ranks [0]" in tiny["stderr"], tiny["stderr"][-2000:]
     assert all(_gone(pid) for pid in tiny["pids"].values())
 
@@ -239,3 +241,104 @@ def test_resolve_takes_flags_then_env_then_cluster():
         resolve("a:1", 2, 2, environ={})
     with pytest.raises(DistributedError, match="JAX_NUM_PROCESSES='two' is not an integer"):
         resolve(environ={"JAX_NUM_PROCESSES": "two"})
+
+
+# --- two processes started by hand, without the launcher ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory, smollm2_path):
+    """A tiny random Llama with SmolLM2's tokenizer: text in and out, quick to load."""
+    return make_tokenized_checkpoint(str(tmp_path_factory.mktemp("by_hand")), smollm2_path)
+
+
+class ByHand:
+    """Two generate.py processes (dp=2 x tp=4, one replica each) joined on a loopback port."""
+
+    def __init__(self, model: str, *flags: str):
+        self.address = f"127.0.0.1:{free_port()}"
+        env = dict(os.environ, TP_JAX_INIT_TIMEOUT="60")                   # the default heartbeat timeout (10 s)
+        self.procs = [subprocess.Popen(
+            [sys.executable, GENERATE, "--model", model, "--simulate-devices", "4", "--tp", "4", "--dp", "2",
+             "--coordinator-address", self.address, "--num-processes", "2", "--process-id", str(i), *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True) for i in range(2)]
+        self.out, self.err = [[], []], [[], []]
+        for i, p in enumerate(self.procs):
+            for stream, sink in ((p.stdout, self.out[i]), (p.stderr, self.err[i])):
+                threading.Thread(target=lambda st=stream, sk=sink: [sk.append(b) for b in iter(
+                    lambda: os.read(st.fileno(), 65536), b"")], daemon=True).start()
+
+    def text(self, sink: list) -> str:
+        return b"".join(sink).decode(errors="replace")
+
+    def wait_for_stdout(self, rank: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.out[rank]:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in self.procs), \
+                [self.text(e)[-2000:] for e in self.err]
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGKILL every process group (each process and the child it supervises)."""
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def strict_json(line: str):
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_json_stdout_is_pure_json_in_a_two_process_run(tokenized):
+    job = ByHand(tokenized, "--json", "--prompt", "Hello", "--prompt", "Bye now", "--max-tokens", "4")
+    try:
+        codes = [p.wait(timeout=300) for p in job.procs]
+    finally:
+        job.stop()
+    time.sleep(0.2)                                                          # the readers' last chunks
+    assert codes == [0, 0], [job.text(e)[-3000:] for e in job.err]
+    rows = [strict_json(line) for line in job.text(job.out[0]).splitlines()]  # Gloo's lines are not here
+    assert [(r["index"], r["prompt"], len(r["token_ids"])) for r in rows] == [(0, "Hello", 4), (1, "Bye now", 4)]
+    assert job.text(job.out[1]) == ""                                        # only the driver prints
+
+
+def _child(pid: int) -> int:
+    """The supervised child of a generate.py process (tp_jax.multihost.supervisor forks it)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return int(f.read().split()[0])
+
+
+@pytest.mark.parametrize("how,victim", [("SIGKILL", 1), ("SIGKILL", 0), ("SIGSTOP", 1)],
+                         ids=["rank1_killed", "coordinator_killed", "rank1_frozen"])
+def test_a_dead_peer_ends_the_survivor_within_30s_with_one_line_and_exit_3(tokenized, how, victim):
+    job = ByHand(tokenized, "--stream", "--prompt", "Once upon a time", "--prompt", "Hello", "--max-tokens", "240",
+                 "--ignore-eos", "--max-model-len", "256")
+    try:
+        job.wait_for_stdout(0, timeout=240)                                  # rank 0 is streaming tokens
+        t = time.monotonic()
+        if how == "SIGKILL":                                                 # the host dies: all its processes
+            os.kill(job.procs[victim].pid, signal.SIGKILL)
+        else:                                                                # alive but silent: no heartbeat
+            os.kill(_child(job.procs[victim].pid), signal.SIGSTOP)
+        survivor = job.procs[1 - victim]
+        code = survivor.wait(timeout=90)
+        took = time.monotonic() - t
+    finally:
+        job.stop()
+    time.sleep(0.2)
+    err = job.text(job.err[1 - victim])
+    if victim == 0:
+        line = (f"tp_jax: process 0 of 2 (the coordinator at {job.address}) died or cannot be reached; process 1 "
+                f"stops too (exit 3)")
+    else:
+        line = "tp_jax: process 1 of 2 died or stopped responding (no heartbeat for 10 s); process 0 stops too (exit 3)"
+    assert (code, err.splitlines()[-1]) == (3, line), err[-3000:]
+    assert took < 30, took
+    for noise in ("Traceback", "JaxRuntimeError", "Connection closed", "Check failure", "Terminating process",
+                  "coordination_service"):                       # Gloo's error, JAX's C++ abort and its logs
+        assert noise not in err, (noise, [x for x in err.splitlines() if "connected to" not in x])
+    assert err.count("tp_jax:") == 1

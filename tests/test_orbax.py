@@ -8,6 +8,7 @@ naming the tensor.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,9 @@ from tp_jax.parallel.layers.loading import WeightShapeError
 from tp_jax.serving.llm import LLM
 from tp_jax.loaders.orbax import (ORBAX_SUBDIR, OrbaxCheckpointError, OrbaxSource, chunk_shape, convert_to_orbax,
                                   write_orbax)
+from tp_jax.loaders.model import tensor_split_dims
 from tp_jax.loaders.place import MissingWeightError
+from tp_jax.models.config import load_config
 from tp_jax.loaders.safetensors import SafetensorsSource
 
 TPS = [1, 2, 4, 8]
@@ -80,11 +83,12 @@ def test_orbax_api_restores_canonical_tensors(tiny):
         want = src.get(name)[...]
         assert restored[name].dtype == want.dtype and np.array_equal(restored[name], want), name
     source = OrbaxSource(orbax_dir)
+    split = tensor_split_dims(load_config(orbax_dir))       # read off the layers' declarations
     for name, rows_dim in [("model.layers.0.self_attn.q_proj.weight", 0), ("model.layers.0.mlp.down_proj.weight", 1),
                            ("model.embed_tokens.weight", 0)]:
         t = source.get(name)
         chunks = tuple(t._store.chunk_layout.read_chunk.shape)
-        assert chunks == chunk_shape(name, t.shape)
+        assert split[name] == rows_dim and chunks == chunk_shape(t.shape, rows_dim)
         assert chunks[rows_dim] == 64 and chunks[1 - rows_dim] == t.shape[1 - rows_dim]
     q = source.get("model.layers.1.self_attn.q_proj.weight")
     assert np.array_equal(q[64:128, 3:9], src.get("model.layers.1.self_attn.q_proj.weight")[64:128, 3:9])
@@ -190,3 +194,58 @@ def test_smollm2_pipeline_parallel(smollm2_path, smollm2_orbax, smollm2_ids):
         pytest.skip(f"pipeline parallelism not available yet: {e}")
     print(f"SmolLM2 pp=2 tp=4: max abs logit diff orbax vs GGUF {diff:.1e}")
     assert diff <= LIMIT
+
+
+# --- an interrupted conversion and the converter's command line (issue 16, item 12) ---------------
+
+def test_interrupted_conversion_leaves_nothing_behind(tiny, tmp_path, monkeypatch):
+    """Ctrl-C during the write: no half checkpoint stays, the next run converts normally."""
+    from tp_jax.loaders import orbax as orbax_module
+    hf, _ = tiny["bias"]
+    out = str(tmp_path / "m")
+    reads = []
+
+    def interrupted_read(self):
+        reads.append(1)
+        if len(reads) == 3:
+            raise KeyboardInterrupt
+        return np.ascontiguousarray(self.tensor[...], dtype=self.dtype)
+    monkeypatch.setattr(orbax_module._LazyLeaf, "read", interrupted_read)
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_orbax(hf, out)
+    assert not [n for n in os.listdir(out) if n.startswith(ORBAX_SUBDIR)], os.listdir(out)
+    monkeypatch.undo()
+    convert_to_orbax(hf, out)
+    assert sorted(OrbaxSource(out).keys()) == sorted(SafetensorsSource(hf).keys())
+
+
+def test_leftover_temporary_checkpoint_is_named(tiny, tmp_path):
+    """A directory a killed conversion left (orbax's temp name, no orbax/): the error says so, not
+    "no model.safetensors"."""
+    hf, orbax_dir = tiny["bias"]
+    out = str(tmp_path / "m")
+    shutil.copytree(orbax_dir, out)
+    os.rename(os.path.join(out, ORBAX_SUBDIR), os.path.join(out, ORBAX_SUBDIR + ".orbax-checkpoint-tmp-1234"))
+    with pytest.raises(OrbaxCheckpointError, match=r"holds no finished Orbax checkpoint, only \[.*orbax.orbax-"
+                                                   r"checkpoint-tmp-1234'\], left by an interrupted conversion; "
+                                                   r"delete it and re-run `python scripts/convert.py SRC .* --to "
+                                                   r"orbax --overwrite`"):
+        LLM(out, progress=False)
+    convert_to_orbax(hf, out, overwrite=True)                 # --overwrite clears the leftover too
+    assert os.listdir(out).count(ORBAX_SUBDIR) == 1 and not any("tmp" in n for n in os.listdir(out))
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["{hf}", "{out}"], r"^convert.py: error: .*/m/orbax already exists; pass --overwrite to replace it\n$"),
+    (["{hf}/nope", "{out}2"], r"^convert.py: error: model '.*/nope' is neither a directory"),
+    (["{hf}", "{out}3", "--to", "safetensors"], r"^convert.py: error: --to safetensors converts a .gguf file; "),
+])
+def test_convert_script_errors_are_one_line(tiny, tmp_path, args, msg):
+    hf, _ = tiny["bias"]
+    out = str(tmp_path / "m")
+    convert_to_orbax(hf, out)
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "convert.py")
+    run = subprocess.run([sys.executable, script, *[a.format(hf=hf, out=out) for a in args]],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr and "overwrite=True" not in run.stderr, run.stderr
+    assert re.match(msg, run.stderr), run.stderr

@@ -65,18 +65,19 @@ def make_case(rng, rows, width, window):
     return k_pool, v_pool, q, k_new, v_new, pos, batch, spans
 
 
+@pytest.mark.parametrize("backend", ["reference", "jax_nn"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("rows,width", [
     ([(3, 1), (9, 1), (0, 1)], 16),                 # decodes only
     ([(0, 7), (5, 11)], 16),                        # prefill chunks only (the second after 5 cached)
     ([(12, 1), (0, 16), (2, 9), (4, 1)], 16),       # mixed, decode rows first
 ])
-def test_paged_equals_per_sequence_attention(rows, width, window):
+def test_paged_equals_per_sequence_attention(rows, width, window, backend):
     rows = sorted(rows, key=lambda r: r[1] != 1)
     rng = np.random.default_rng(len(rows) * 7 + width)
     k_pool, v_pool, q, k_new, v_new, pos, batch, spans = make_case(rng, rows, width, window)
     scale = HD ** -0.5
-    cache = LayerCache(jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.int32(0), batch)
+    cache = LayerCache(jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.int32(0), batch, backend)
     out, cache = jax.jit(lambda q, k, v, p, c: attend(q, k, v, p, c, scale=scale, window=window))(
         q[None], k_new[None], v_new[None], pos[None], cache)
     out, kp, vp = np.asarray(out[0]), np.asarray(cache.k), np.asarray(cache.v)

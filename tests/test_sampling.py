@@ -41,7 +41,7 @@ def log_softmax(x):
 
 BAD = [
     (dict(n=0), "n=0 must be >= 1"),
-    (dict(n=2), "n=2 is not supported yet"),
+    (dict(n=1.5), "n=1.5 must be an int"),
     (dict(max_tokens=0), "max_tokens=0 must be >= 1"),
     (dict(max_tokens=1.5), "max_tokens=1.5 must be an int"),
     (dict(temperature=-1), "temperature=-1 must be >= 0"),

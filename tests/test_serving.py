@@ -240,3 +240,23 @@ def test_a_step_plan_survives_the_trip_to_other_processes(llm):
     assert back.penalty_inits == [tuple(x) for x in plan.penalty_inits] and len(plan.penalty_inits) == 1
     for rid in ("plan-a", "plan-b"):
         engine.abort(rid)
+
+
+def test_the_jax_nn_attention_backend_gives_the_same_tokens(path, alone):
+    llm = LLM(path, tensor_parallel_size=2, attention_backend="jax_nn", progress=False)
+    assert run_workload(llm.engine, mixed_workload()) == alone
+    with pytest.raises(ValueError, match=r"attention_backend='flash' is not registered; choose one of "
+                                         r"\['jax_nn', 'reference'\]"):
+        LLM(path, attention_backend="flash", progress=False)
+
+
+def test_the_cpu_default_pool_never_refuses_to_start_on_a_busy_host(path, monkeypatch):
+    from tp_jax.serving import kv_pool
+    monkeypatch.setattr(kv_pool, "_available_ram", lambda: 1024)               # almost nothing free
+    llm = LLM(path, max_model_len=64, max_num_seqs=8, progress=False)
+    pool = llm.engine.core.pool
+    assert pool.num_blocks == 4 * 64 // 16 and pool.tokens == 4 * 64          # four max_model_len sequences
+    monkeypatch.setenv("TP_JAX_CPU_KV_CACHE_BYTES", str(2**40))
+    monkeypatch.setattr(kv_pool, "_available_ram", lambda: 2**40)
+    roomy = LLM(path, max_model_len=64, max_num_seqs=8, progress=False).engine.core.pool
+    assert roomy.num_blocks == 8 * 64 // 16                                    # capped by what 8 sequences use

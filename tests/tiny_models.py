@@ -76,6 +76,18 @@ def hf_logits(path: str, ids: np.ndarray) -> np.ndarray:
         return model(torch.tensor(ids)).logits.float().numpy()
 
 
+def logits_and_greedy(model, ids: np.ndarray, prompts: list[list[int]], max_new_tokens: int = 12):
+    """A transformers model's logits for `ids` [B, T] and its greedy tokens for each prompt (no eos stop);
+    refuses a degenerate reference (a continuation with 3 distinct tokens or fewer)."""
+    import torch
+    with torch.no_grad():
+        logits = model(torch.tensor(ids)).logits.float().numpy()
+        greedy = [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert all(len(set(g)) > 3 for g in greedy), f"degenerate greedy reference {greedy}"
+    return logits, greedy
+
+
 def hf_greedy(path: str, ids: list[int], max_new_tokens: int) -> list[int]:
     import torch
     from transformers import AutoModelForCausalLM

@@ -13,18 +13,19 @@ Two ways in:
 from tp_jax.parallel.mesh import AXES, DP, PP, TP, make_mesh
 from tp_jax.parallel.collectives import (all_gather, all_reduce, broadcast, reduce_scatter, send_to_next,
                                 send_to_prev, set_all_reduce_thresholds)
-# --- head planning and parallel layers ---------------------------------------------------
+# --- head planning and parallel layers (RowParallelLinear.over_heads: o_proj under a head plan) ----
 from tp_jax.parallel.heads import HeadPlan, plan_heads
-from tp_jax.parallel.layers import (ColumnParallelLinear, LazyTensor, MergedColumnParallelLinear,
-                           ParallelLMHead, ParallelModule, PartRows, QKVParallelLinear,
-                           ReplicatedLinear, RowParallelLinear, ShardedParam, VocabParallelEmbedding,
-                           WeightShapeError, padded_vocab_size)
-from tp_jax.parallel.layers.norm import RMSNorm
+from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, LazyTensor, MergedColumnParallelLinear,
+                                    ParallelLMHead, ParallelModule, PartRows, QKVParallelLinear, ReplicatedEmbedding,
+                                    ReplicatedLinear, RMSNorm, RowParallelLinear, ShardedParam, Stack,
+                                    VocabParallelEmbedding, WeightShapeError, contiguous_rows, expand_heads,
+                                    padded_vocab_size, replicated_rows)
 # --- running a module under shard_map -------------------------------------------------
 from tp_jax.parallel.shard import param_specs, place, shard_module
 # --- loading a checkpoint per device: your name table + the loader ------------------------
-from tp_jax.loaders.names import Entry
-from tp_jax.loaders.place import MissingWeightError, bind, fill, load_state
+from tp_jax.parallel.layers import Entry, WeightTable
+from tp_jax.loaders.place import (CheckpointMismatchError, MissingWeightError, NameTableError, NonFiniteWeightError,
+                                  bind, fill, load_state)
 # --- simulated CPU devices (call before jax starts) -------------------------------------
 from tp_jax.multihost.devices import simulate_cpu_devices
 
@@ -39,7 +40,7 @@ def __getattr__(name):
         from tp_jax.serving.sampling import SamplingParams
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput", "StreamEvent"):
-        from tp_jax import outputs
+        from tp_jax.serving import outputs
         return getattr(outputs, name)
     raise AttributeError(f"module 'tp_jax' has no attribute {name!r}")
 
@@ -51,8 +52,11 @@ __all__ = [
     "set_all_reduce_thresholds",
     "HeadPlan", "plan_heads",
     "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "ReplicatedLinear",
-    "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "padded_vocab_size",
+    "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "ReplicatedEmbedding", "padded_vocab_size",
+    "RMSNorm", "LayerNorm", "Stack",
     "ParallelModule", "LazyTensor", "PartRows", "ShardedParam", "WeightShapeError",
-    "RMSNorm", "param_specs", "place", "shard_module",
-    "Entry", "MissingWeightError", "bind", "fill", "load_state", "simulate_cpu_devices",
+    "contiguous_rows", "replicated_rows", "expand_heads",
+    "param_specs", "place", "shard_module",
+    "Entry", "WeightTable", "bind", "fill", "load_state", "MissingWeightError", "NameTableError",
+    "CheckpointMismatchError", "NonFiniteWeightError", "simulate_cpu_devices",
 ]

@@ -9,6 +9,9 @@
 * `to_global(x, sharding)`: a host array onto a sharding that may span processes (each
   process fills only its own devices); `to_host(tree)`: sharded results back as numpy on
   every process, even when they live on other processes' devices.
+* A dead peer ends every other process within the heartbeat timeout (default 10 s) with one
+  line naming it and exit code 3 (`supervisor.py`); `raise_unless_peer_died(e)` keeps a
+  collective's error (Gloo: "Connection closed by peer") quiet while that verdict comes.
 
 With one process every function is the plain single-controller operation.
 """
@@ -24,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -32,9 +35,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 ENV_ADDRESS, ENV_NUM, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 ENV_INIT_TIMEOUT, ENV_HEARTBEAT = "TP_JAX_INIT_TIMEOUT", "TP_JAX_HEARTBEAT_TIMEOUT"
-ENV_COLLECTIVE_TIMEOUT = "TP_JAX_COLLECTIVE_TIMEOUT"
+ENV_COLLECTIVE_TIMEOUT, ENV_SUPERVISE = "TP_JAX_COLLECTIVE_TIMEOUT", "TP_JAX_SUPERVISE"
 CLUSTER_SIZE_VARS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")  # set inside srun / mpirun; JAX auto-detects
 EXIT_INIT_TIMEOUT = 3
+DEFAULT_HEARTBEAT_S, MIN_SHUTDOWN_S = 10, 30
+_run = {"supervised": False, "heartbeat_s": DEFAULT_HEARTBEAT_S}
 
 
 class DistributedError(ValueError):
@@ -78,13 +83,17 @@ def _env_int(environ, name: str) -> int | None:
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, simulate_devices: int = 0,
-               init_timeout_s: float | None = None, heartbeat_timeout_s: int | None = None) -> bool:
+               init_timeout_s: float | None = None, heartbeat_timeout_s: int | None = None,
+               supervise: bool | None = None) -> bool:
     """Join the other processes (before any jax computation); False when running alone.
 
     `simulate_devices=N`: N CPU devices in this process (tests, one-machine runs). Waits are
     bounded: `init_timeout_s` (env TP_JAX_INIT_TIMEOUT, default 300) for every process to
-    connect, `heartbeat_timeout_s` (env TP_JAX_HEARTBEAT_TIMEOUT, default 100) for a dead peer
+    connect, `heartbeat_timeout_s` (env TP_JAX_HEARTBEAT_TIMEOUT, default 10) for a dead peer
     to be noticed, and on CPU a collective timeout (env TP_JAX_COLLECTIVE_TIMEOUT, default 120).
+    `supervise` (env TP_JAX_SUPERVISE, default on; Linux): the program continues in a forked
+    child while this process watches it, so a dead peer ends it with one line and exit code 3
+    instead of JAX's C++ abort, and native stdout (Gloo's lines) goes to stderr.
     """
     if simulate_devices:
         from tp_jax.multihost.devices import simulate_cpu_devices
@@ -95,14 +104,33 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if args is None or jax.distributed.is_initialized():
         return args is not None
     init_s = float(init_timeout_s or os.environ.get(ENV_INIT_TIMEOUT) or 300)
-    beat_s = int(heartbeat_timeout_s or os.environ.get(ENV_HEARTBEAT) or 100)
+    beat_s = int(heartbeat_timeout_s or os.environ.get(ENV_HEARTBEAT) or DEFAULT_HEARTBEAT_S)
+    _run["heartbeat_s"] = beat_s
+    if supervise is None:
+        supervise = os.environ.get(ENV_SUPERVISE, "1") != "0"
+    if supervise:
+        from tp_jax.multihost.supervisor import supervise as watch_from_parent
+        _run["supervised"] = watch_from_parent(args.get("process_id"), args.get("num_processes"),
+                                               args.get("coordinator_address"), beat_s)
     if args and args["process_id"] != 0:
         init_s = max(10.0, init_s - _wait_for_coordinator(args["coordinator_address"], init_s))
     with _watchdog(args, init_s):
-        jax.distributed.initialize(**args, initialization_timeout=int(init_s) + 30,
-                                   heartbeat_timeout_seconds=beat_s, shutdown_timeout_seconds=beat_s)
+        jax.distributed.initialize(**args, initialization_timeout=int(init_s) + 30, heartbeat_timeout_seconds=beat_s,
+                                   shutdown_timeout_seconds=max(beat_s, MIN_SHUTDOWN_S))
     agree("the process count", {"num_processes": args.get("num_processes", jax.process_count())})
     return True
+
+
+def raise_unless_peer_died(error: BaseException) -> NoReturn:
+    """Re-raise `error`, unless it is the echo of a dead peer in a supervised multi-process run.
+
+    A collective fails at once when a peer dies (Gloo: "Connection closed by peer"), before
+    JAX's coordination service has named the dead process. Wait quietly for that verdict (the
+    supervisor then prints one line and exits 3); raise if none comes in the heartbeat timeout.
+    """
+    if _run["supervised"] and jax.process_count() > 1:
+        time.sleep(_run["heartbeat_s"] + 15)
+    raise error
 
 
 def _add_xla_flag(name: str, value: str) -> None:

@@ -4,7 +4,8 @@ Each rank gets `JAX_COORDINATOR_ADDRESS` (a free loopback port), `JAX_NUM_PROCES
 `JAX_PROCESS_ID` and, with `devices_per_process=M`, M simulated CPU devices (XLA_FLAGS,
 NPROC >= 2M, a collective timeout). Output lines are prefixed `[rank i]`. When a rank fails
 the others are stopped (SIGTERM, then SIGKILL after `grace_s`: JAX traps SIGTERM) and the
-launch fails naming that rank; `timeout_s` bounds the whole job.
+launch fails naming that rank, with its exit code (3, a dead peer, when a signal killed it);
+`timeout_s` bounds the whole job.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+
+from tp_jax.multihost.supervisor import EXIT_PEER_LOST
 
 EXIT_TIMEOUT = 124
 
@@ -127,7 +130,7 @@ def _watch(procs: list[subprocess.Popen], timeout_s: float, grace_s: float, lock
             stop(procs, grace_s)
             _say(lock, f"rank {rank} failed ({_describe(code)}); stopped ranks {running}. See the "
                        f"[rank {rank}] lines above for its error.")
-            return code if code > 0 else 1
+            return code if code > 0 else EXIT_PEER_LOST
         if all(c == 0 for c in codes):
             return 0
         if timeout_s and time.monotonic() - start > timeout_s:

@@ -32,6 +32,9 @@ THRESHOLDS = AllReduceThresholds()
 
 
 def set_all_reduce_thresholds(one_shot_max_bytes: int, two_shot_max_bytes: int) -> None:
+    """The message sizes at which `all_reduce(..., "auto")` switches strategy: one_shot up to
+    `one_shot_max_bytes`, two_shot up to `two_shot_max_bytes`, XLA's psum above (measure them with
+    scripts/bench_collectives.py)."""
     if not 0 <= one_shot_max_bytes <= two_shot_max_bytes:
         raise ValueError(f"set_all_reduce_thresholds: need 0 <= one_shot_max_bytes ({one_shot_max_bytes})"
                          f" <= two_shot_max_bytes ({two_shot_max_bytes}).")

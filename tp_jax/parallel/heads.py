@@ -1,4 +1,4 @@
-"""Head planning (DESIGN.md contract 4): which attention heads live on which tp rank.
+"""Head planning (docs/design.md, "Heads that do not divide"): which attention heads live on which tp rank.
 
 For (num_heads, num_kv_heads, tp) the plan gives every rank the same number of query
 slots and KV slots. A slot holds a real head (its index) or padding (-1): padded
@@ -23,7 +23,15 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class HeadPlan:
-    """Hashable (tuples, not arrays): layers keep it as static module metadata."""
+    """Which attention heads each tp rank holds; build it with `plan_heads(num_heads, num_kv_heads, tp)`.
+
+    Fields: num_heads, num_kv_heads, tp; q_slots[tp][q_local] and kv_slots[tp][kv_local], the
+    head index in each slot (-1 = padding). Derived: q_heads / kv_heads (as arrays), q_local,
+    kv_local, group_local, kv_replicas, padded_q_heads, padded_kv_heads and the overheads.
+    Row maps for layers: `expand_heads(plan.q_heads, head_dim)` (QKVParallelLinear uses them,
+    and `RowParallelLinear.over_heads(plan, head_dim, ...)` builds the matching o_proj).
+    Hashable (tuples, not arrays): layers keep it as static module metadata.
+    """
     num_heads: int
     num_kv_heads: int
     tp: int

@@ -7,16 +7,17 @@ Without MODEL, the embedded SmolLM2-135M-Instruct. `--simulate-devices N` runs o
 devices (any machine). Many hosts: every process starts the same command with its
 `--process-id` (or the JAX_* environment, or SLURM / Open MPI); process 0 serves HTTP and
 drives, the others follow its steps (docs/multihost.md). `scripts/generate.py` is
-`tp-jax generate`. Bad arguments end with one `error: ...` line and exit code 2.
+`tp-jax generate`. Bad arguments end with one `error: ...` line and exit code 2, Ctrl-C
+while loading with one line and 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
-EXIT_BAD_ARGS = 2
 EXIT_INTERRUPTED = 130
 
 
@@ -50,20 +51,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_reporting_errors(args.run, args)
+    return run_command(args.run, args)
 
 
-def run_reporting_errors(fn, args) -> int:
-    """fn(args), with the errors a user can fix printed as one `error: ...` line (exit 2)."""
+def run_command(fn, args) -> int:
+    """fn(args) with the command line's exits (tp_jax/serving/cli.py): 0 done, 2 bad input (one `error:`
+    line), 3 a dead peer; Ctrl-C before a server is up: one line and 130."""
+    signal.signal(signal.SIGINT, stop_on_ctrl_c)
+    from tp_jax.serving.cli import run_cli
+    return run_cli(lambda: fn(args))
+
+
+def stop_on_ctrl_c(signum, frame) -> None:
+    """Ctrl-C: one line and exit 130 at once, wherever we are (loading, compiling, generating).
+
+    Exits without unwinding: a KeyboardInterrupt can land inside JAX (a 46-line traceback) or
+    in a gc callback (where Python ignores it), and in a multi-process run the other processes
+    must see this one end rather than wait for it at JAX's exit barrier. A running server
+    replaces it with its own graceful stop (tp_jax/server/serve.py).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        return fn(args)
-    except (ValueError, FileNotFoundError, NotImplementedError, KeyError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {msg}", file=sys.stderr)
-        return EXIT_BAD_ARGS
-    except KeyboardInterrupt:                       # Ctrl-C while loading (a running server stops cleanly)
-        print("\ninterrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        sys.stdout.flush()
+    except (OSError, RuntimeError, ValueError):
+        pass
+    os.write(2, b"\ninterrupted (SIGINT): stopped\n")          # after a progress bar or a ^C
+    os._exit(EXIT_INTERRUPTED)
 
 
 def env_default(name: str) -> str | None:

@@ -10,11 +10,10 @@ runs the same command; process 0 prints the outputs (docs/multihost.md).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-from tp_jax.server.cli import add_engine_args, run_reporting_errors
+from tp_jax.server.cli import add_engine_args, run_command
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -49,20 +48,21 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     """scripts/generate.py: the same as `tp-jax generate ...`."""
-    return run_reporting_errors(run, parse_args(argv))
+    return run_command(run, parse_args(argv))
 
 
 def read_prompts(args) -> list[str]:
-    prompts = list(args.prompt)
-    if args.prompts_file:
-        with open(args.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    """--prompt values, then the lines of --prompts-file; the default prompt only when neither is given."""
+    from tp_jax.serving.cli import read_prompts_file
+    prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     return prompts or ["Once upon a time"]
 
 
 def run(args) -> int:
-    from tp_jax.multihost.distributed import initialize, is_driver
+    from tp_jax.multihost.distributed import initialize, is_driver, share_from_driver
     initialize(args.coordinator_address, args.num_processes, args.process_id, simulate_devices=args.simulate_devices)
+    texts = share_from_driver(lambda: read_prompts(args))          # checked before the load; process 0's file
+    from tp_jax.serving.cli import OrderedStreams, json_line, prompt_header
     from tp_jax.serving.llm import LLM
     from tp_jax.serving.sampling import SamplingParams
     from tp_jax.serving.stats import CompileClock, GenerationStats, timed
@@ -78,22 +78,24 @@ def run(args) -> int:
     llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
               dtype=args.dtype, max_model_len=args.max_model_len, progress=is_driver())
     stats.load_s = time.perf_counter() - t
-    prompts = read_prompts(args)
+    prompts = texts
     if args.chat:
         tok = llm.get_tokenizer()
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                     tokenize=False), add_special_tokens=False) for p in prompts]
+                                                     tokenize=False), add_special_tokens=False) for p in texts]
     gen = llm.start(prompts, params)
-    for ev in timed(gen.events(with_text=args.stream and not args.json), stats):
-        if args.stream and not args.json:
-            print(ev.text, end="\n" if ev.finished else "", flush=True)
+    streaming = args.stream and not args.json
+    streams = OrderedStreams(texts)
+    for ev in timed(gen.events(with_text=streaming), stats):
+        if streaming:
+            streams.add(ev.index, ev.text, ev.finished)
     for i, out in enumerate(gen.outputs()):
         o = out.outputs[0]
         if args.json:
-            print(json.dumps({"index": i, "prompt": read_prompts(args)[i], "text": o.text, "token_ids": o.token_ids,
-                              "finish_reason": o.finish_reason, "logprobs": o.logprobs}))
-        elif not args.stream:
-            print(f"--- prompt {i}: {read_prompts(args)[i]!r}\n{o.text}")
+            print(json_line({"index": i, "prompt": texts[i], "text": o.text, "token_ids": o.token_ids,
+                             "finish_reason": o.finish_reason, "logprobs": o.logprobs}))
+        elif not streaming:
+            print(f"{prompt_header(i, texts[i])}\n{o.text}")
     stats.kv_cache_bytes_per_device = llm.engine.core.pool.bytes_per_device
     if is_driver():
         print(stats.line(), file=sys.stderr if args.json else sys.stdout)

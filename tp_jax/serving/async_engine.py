@@ -58,9 +58,10 @@ class AsyncLLMEngine:
         s = _Stream(loop, asyncio.Queue())
         done = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt, params, stream, s), done))
-        await asyncio.wrap_future(done)                 # raises the engine's ValueError / TypeError
-        finished = False
+        finished = added = False
         try:
+            await asyncio.wrap_future(done)             # raises the engine's ValueError / TypeError
+            added = True
             while True:
                 item = await s.queue.get()
                 if item is _FINISHED:
@@ -74,8 +75,11 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            if not finished:
+            if not finished and added:
                 self._commands.put(("abort", request_id, None))
+            elif not finished:                           # cancelled while the add was on its way
+                done.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or
+                                       self._commands.put(("abort", request_id, None)))
 
     async def abort(self, request_id: str) -> None:
         done = concurrent.futures.Future()
@@ -126,6 +130,8 @@ class AsyncLLMEngine:
 
     def _apply(self, kind: str, arg, done: concurrent.futures.Future | None) -> bool:
         """Apply one command on the engine thread; True means stop."""
+        if done is not None and not done.set_running_or_notify_cancel():
+            return False                                 # its caller gave up before it ran
         try:
             if kind == "add":
                 request_id, prompt, params, stream, s = arg

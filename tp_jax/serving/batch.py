@@ -66,6 +66,11 @@ class StepBatch:
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in self.ARRAYS}
 
+    def packed(self) -> np.ndarray:
+        """Every array in one i32[G, L] buffer (one transfer per step); `unpack` reverses it."""
+        g = self.shape.groups
+        return np.concatenate([getattr(self, k).reshape(g, -1) for k in self.ARRAYS], axis=1)
+
     @classmethod
     def empty(cls, s: StepShape) -> StepBatch:
         """An all-padding step of shape `s` (writes nothing, samples nothing): for warm-up."""
@@ -74,6 +79,24 @@ class StepBatch:
         return cls(s, z(g, n), z(g, n), np.full((g, n), -1, np.int32), z(g, d, s.decode_blocks),
                    z(g, p, s.prefill_blocks), np.full((g, p, s.prefill_width), n, np.int32), z(g, d + p),
                    [[None] * (d + p) for _ in range(g)])
+
+
+def packed_layout(s: StepShape) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, per-group shape) of each array in `StepBatch.packed`, in order."""
+    n, d, p = s.tokens, s.decode_rows, s.prefill_rows
+    return [("ids", (n,)), ("positions", (n,)), ("slots", (n,)), ("decode_tables", (d, s.decode_blocks)),
+            ("prefill_tables", (p, s.prefill_blocks)), ("prefill_index", (p, s.prefill_width)),
+            ("logits_index", (d + p,))]
+
+
+def unpack(packed, s: StepShape) -> dict:
+    """The arrays of a packed [B, L] buffer (numpy or jax; B groups, or the local ones under shard_map)."""
+    out, off = {}, 0
+    for name, shape in packed_layout(s):
+        size = int(np.prod(shape))
+        out[name] = packed[:, off:off + size].reshape(packed.shape[0], *shape)
+        off += size
+    return out
 
 
 def _split(rows: list[ScheduledRow], m: int) -> list[tuple[list[ScheduledRow], list[ScheduledRow]]]:

@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 
 from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_host
 from tp_jax.parallel.mesh import DP, PP
-from tp_jax.parallel.pipeline import choose_microbatches
 from tp_jax.serving import sampling
 from tp_jax.serving.batch import MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch
 from tp_jax.serving.kv_pool import plan_pool
@@ -57,6 +56,7 @@ class EngineConfig:
     num_microbatches: int | None = None           # pp micro-batches per replica (default pp)
     max_logprobs: int = 20
     seed: int = 0
+    attention_backend: str = "reference"          # models/attention.py PAGED_BACKENDS
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
@@ -68,6 +68,10 @@ class EngineConfig:
                              f"(block_size={self.block_size}); raise it to at least {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        from tp_jax.models.attention import PAGED_BACKENDS
+        if self.attention_backend not in PAGED_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not registered; choose one of "
+                             f"{sorted(PAGED_BACKENDS)} (or register yours in models/attention.py PAGED_BACKENDS)")
         for name in ("num_gpu_blocks", "kv_cache_memory_bytes"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
@@ -96,8 +100,9 @@ class EngineCore:
         self.vocab_size = model.config.vocab_size
         self.eos = frozenset(int(t) for t in eos_token_ids)
         dp, pp = mesh.shape[DP], mesh.shape[PP]
-        m = pp if config.num_microbatches is None else config.num_microbatches
-        self.microbatches = choose_microbatches(m, m)                       # validates >= 1
+        self.microbatches = pp if config.num_microbatches is None else config.num_microbatches
+        if self.microbatches < 1:
+            raise ValueError(f"num_microbatches={self.microbatches} must be >= 1")
         plan = lambda blocks: plan_pool(model.kv_layout(), mesh, block_size=config.block_size,
                                         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                                         num_gpu_blocks=blocks, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
@@ -108,7 +113,8 @@ class EngineCore:
                                                    config.block_size, self.pool.num_blocks, dp,
                                                    config.enable_prefix_caching))
         self.num_slots = config.max_num_seqs * dp
-        self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.vocab_size, self.num_slots)
+        self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.vocab_size, self.num_slots,
+                                  config.attention_backend)
         self.free_slots = list(range(self.num_slots))[::-1]
         self.requests: dict[str, Request] = {}
         self.rng = np.random.default_rng(config.seed)
@@ -231,13 +237,7 @@ class EngineCore:
 
     def _execute(self, plan: StepPlan):
         """The device work of a step (every process runs it); the sampled rows as numpy."""
-        for slot, prompt, outputs in plan.penalty_inits:
-            self.runner.init_penalty_slot(slot, prompt, outputs)
-        logits = self.runner.forward(plan.batch)
-        out = self.runner.sample(logits, plan.floats, plan.top_k, plan.words, plan.steps, plan.penalty_rows,
-                                 num_logprobs=plan.num_logprobs, penalties=plan.penalties,
-                                 all_greedy=plan.all_greedy)
-        return to_host(out)
+        return self.runner.execute(plan)
 
     def _append(self, req: Request, token: int, logprob: float, top_ids, top_lp) -> EngineOutput:
         req.token_ids.append(token)

@@ -23,18 +23,17 @@ import numpy as np
 from tp_jax.multihost.distributed import agree, share_from_driver, to_global, to_host
 from tp_jax.parallel.mesh import DP, make_mesh
 from tp_jax.parallel.pipeline import choose_microbatches
+from tp_jax.serving.args import validate_llm_args
 from tp_jax.serving.engine import EngineConfig
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
 
 def resolve_dtype(dtype: str):
     """"auto": float32 on CPU (XLA:CPU bf16 matmuls are ~10x slower), bfloat16 on accelerators."""
+    from tp_jax.loaders.dtypes import FLOATS, BY_NAME
     if dtype == "auto":
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; choose 'auto' or one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype not in FLOATS:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose 'auto' or one of {sorted(FLOATS)}")
+    return jnp.dtype(BY_NAME[dtype].numpy)
 
 
 def build_mesh(tp: int, pp: int, dp: int, devices=None):
@@ -57,7 +56,12 @@ class LLM:
     max_num_seqs and max_num_batched_tokens (per dp replica per step); block_size,
     num_gpu_blocks / kv_cache_memory_bytes / gpu_memory_utilization (the KV pool, see
     tp_jax/serving/kv_pool.py); enable_prefix_caching; num_microbatches (pp); seed (the
-    engine's randomness for unseeded requests); devices; progress (a loading bar).
+    engine's randomness for unseeded requests); devices; progress (a loading bar);
+    check_weights (refuse weights holding NaN / infinity: a cheap check per tensor while
+    loading, on by default; False skips it); compile_cache (True: JAX's persistent compilation
+    cache in ~/.cache/tp_jax/xla or $TP_JAX_COMPILE_CACHE; a directory; False: off; see
+    tp_jax/serving/compile_cache.py); attention_backend ("reference", or "jax_nn":
+    jax.nn.dot_product_attention, cuDNN on GPUs).
     """
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -65,7 +69,12 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 512, block_size: int = 16,
                  num_gpu_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True):
+                 num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
+                 check_weights: bool = True, compile_cache: bool | str = True,
+                 attention_backend: str = "reference"):
+        validate_llm_args(**locals())                  # types and ranges, before any work (EngineConfig: the rest)
+        from tp_jax.serving import compile_cache as cache
+        self.compile_cache_dir = cache.enable(compile_cache)
         from tp_jax.loaders.default import default_model_path
         from tp_jax.loaders.model import abstract_model, load_from_source, open_checkpoint
         self.model_path = default_model_path() if model is None else str(model)
@@ -75,7 +84,8 @@ class LLM:
         self.dtype = resolve_dtype(dtype)
         self.num_microbatches = pipeline_parallel_size if num_microbatches is None else num_microbatches
         choose_microbatches(1, self.num_microbatches)              # bad values fail before the load
-        source, self.config = open_checkpoint(self.model_path)
+        checkpoint = open_checkpoint(self.model_path)
+        source, self.config = checkpoint.source, checkpoint.config
         limit = self.config.max_position_embeddings
         self.max_model_len = min(limit, 2048) if max_model_len is None else int(max_model_len)
         if not 1 <= self.max_model_len <= limit:
@@ -85,13 +95,14 @@ class LLM:
             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, num_gpu_blocks=num_gpu_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            num_microbatches=self.num_microbatches, seed=seed)
+            num_microbatches=self.num_microbatches, seed=seed, attention_backend=attention_backend)
         if num_gpu_blocks is not None or kv_cache_memory_bytes is not None:      # a pool too small: fail now
             from tp_jax.serving.kv_pool import plan_pool
             plan_pool(abstract_model(self.config, self.mesh, self.dtype).kv_layout(), self.mesh,
                       block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                       num_gpu_blocks=num_gpu_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes)
-        self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress)
+        self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress,
+                                      check_weights=check_weights)
         self.seed, self.max_num_seqs = seed, max_num_seqs
         self._forward = None
         self._engine = None

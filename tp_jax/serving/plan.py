@@ -32,6 +32,11 @@ class StepPlan:
 
     SAMPLE_ARRAYS = ("floats", "top_k", "words", "steps", "penalty_rows")
 
+    def sample_ints(self) -> np.ndarray:
+        """i32[G, R, 6]: top_k, step, penalty row, then the three key words (bit-cast)."""
+        return np.concatenate([self.top_k[..., None], self.steps[..., None], self.penalty_rows[..., None],
+                               self.words.view(np.int32)], axis=-1)
+
     def to_bytes(self) -> bytes:
         arrays = {**self.batch.arrays(), **{k: getattr(self, k) for k in self.SAMPLE_ARRAYS}}
         assert len(arrays) == len(StepBatch.ARRAYS) + len(self.SAMPLE_ARRAYS), "array names must not collide"

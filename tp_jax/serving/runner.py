@@ -1,12 +1,14 @@
 """The device side of a step (vLLM's ModelRunner): the jitted forward over the paged pool, then sampling.
 
-* `forward`: one `shard_map`ped program per `StepShape` (ids, positions and the paged
-  batch sharded on dp, the pool donated and written in place); logits only for each row's
-  sampling token, gathered over tp: [G, D + P, V].
+* `forward`: one `shard_map`ped program per `StepShape`: the step's arrays arrive packed in
+  one int32 buffer (sharded on dp) and are unpacked inside; the pool is donated and written
+  in place; logits only for each row's sampling token, gathered over tp: [G, D + P, V].
 * `sample`: per row, vLLM's sampler with the row's own PRNG key and output step, so a
   row's draw never depends on the rest of the batch. Penalties read per-request state
   (prompt-token mask and output-token counts, [slots + 1, V], the last row a scratch row
-  for padding) that lives on the devices while the request runs.
+  for padding) that lives on the devices while the request runs. The result comes back
+  as one int32 array (logprobs bit-cast), so a step costs one transfer each way (plus
+  one for the sampling rows when any row samples randomly or is penalized).
 Both are jitted once per shape and flag set; `compiled_shapes` lists the forward's.
 """
 
@@ -21,17 +23,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tp_jax.models.cache import KVCache, PagedBatch
-from tp_jax.multihost.distributed import to_global
+from tp_jax.multihost.distributed import to_global, to_host
 from tp_jax.parallel.mesh import DP
 from tp_jax.serving import sampling
-from tp_jax.serving.batch import StepBatch, StepShape
+from tp_jax.serving.batch import StepShape, unpack
 from tp_jax.serving.kv_pool import POOL_SPEC, PoolShape, new_pool
+from tp_jax.serving.plan import StepPlan
 from tp_jax.serving.sampling import SamplingTensors
 
 
 class ModelRunner:
     def __init__(self, model: nnx.Module, mesh: Mesh, pool: PoolShape, microbatches: int, vocab_size: int,
-                 num_slots: int):
+                 num_slots: int, attention_backend: str = "reference"):
         self.mesh, self.pool, self.vocab_size, self.num_slots = mesh, pool, vocab_size, num_slots
         graphdef, self.state = nnx.split(model)
         specs = nnx.get_partition_spec(self.state)
@@ -39,31 +42,52 @@ class ModelRunner:
         self.penalty_state = None                # (prompt_mask bool[S+1, V], counts i32[S+1, V]) once needed
         self.compiled_shapes: set[StepShape] = set()
 
-        def forward(state, ids, positions, k, v, batch, logits_index):
+        def forward(state, packed, k, v, *, shape):
+            a = unpack(packed, shape)
             m = nnx.merge(graphdef, state)
-            h, cache = m.hidden_states(ids, positions, KVCache(k, v, batch), microbatches=microbatches)
-            last = jnp.take_along_axis(h, logits_index[..., None], axis=1)          # [M, R, D]
+            paged = PagedBatch(a["slots"], a["decode_tables"], a["prefill_tables"], a["prefill_index"])
+            cache = KVCache(k, v, paged, attention_backend)
+            h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches)
+            last = jnp.take_along_axis(h, a["logits_index"][..., None], axis=1)     # [M, R, D]
             return m.logits(last), cache.k, cache.v
 
-        rows = P(DP)
-        fn = jax.shard_map(forward, mesh=mesh, in_specs=(specs, rows, rows, POOL_SPEC, POOL_SPEC,
-                                                          PagedBatch(rows, rows, rows, rows), rows),
-                           out_specs=(rows, POOL_SPEC, POOL_SPEC), check_vma=False)
-        self._forward = jax.jit(fn, donate_argnums=(3, 4))
+        def sharded(state, packed, k, v, *, shape):
+            fn = jax.shard_map(functools.partial(forward, shape=shape), mesh=mesh,
+                               in_specs=(specs, P(DP), POOL_SPEC, POOL_SPEC), out_specs=(P(DP), POOL_SPEC, POOL_SPEC),
+                               check_vma=False)
+            return fn(state, packed, k, v)
+
+        self._forward = jax.jit(sharded, donate_argnums=(2, 3), static_argnames=("shape",))
 
     def put(self, x, spec=P(DP)):
         return to_global(x, NamedSharding(self.mesh, spec))
 
-    def forward(self, batch: StepBatch) -> jax.Array:
+    def forward(self, batch) -> jax.Array:
         """Run the model on one step's tokens, writing their k/v; logits [G, D + P, V] stay on device."""
-        a = {k: self.put(v) for k, v in batch.arrays().items()}
-        paged = PagedBatch(a["slots"], a["decode_tables"], a["prefill_tables"], a["prefill_index"])
-        logits, self.k, self.v = self._forward(self.state, a["ids"], a["positions"], self.k, self.v, paged,
-                                               a["logits_index"])
+        logits, self.k, self.v = self._forward(self.state, self.put(batch.packed()), self.k, self.v,
+                                               shape=batch.shape)
         self.compiled_shapes.add(batch.shape)
         return logits
 
-    # --- sampling ---------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan):
+        """Forward and sample one step; (tokens[G, R], logprob[G, R], top_ids[G, R, N], top_lp[G, R, N]) as numpy."""
+        for slot, prompt, outputs in plan.penalty_inits:
+            self.init_penalty_slot(slot, prompt, outputs)
+        logits = self.forward(plan.batch)
+        n = plan.num_logprobs
+        if plan.all_greedy:
+            out = _greedy(logits, num_logprobs=n)
+        else:
+            floats, ints = self.put(plan.floats), self.put(plan.sample_ints())
+            if plan.penalties:
+                out, counts = _sample_penalized(logits, floats, ints, *self.penalty_state, num_logprobs=n)
+                self.penalty_state = (self.penalty_state[0], counts)
+            else:
+                out = _sample(logits, floats, ints, num_logprobs=n)
+        out = np.asarray(to_host(out), np.int32)
+        floats = lambda x: np.ascontiguousarray(x).view(np.float32)
+        return out[..., 0], floats(out[..., 1]), out[..., 2:2 + n], floats(out[..., 2 + n:])
+
     def init_penalty_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """Load a request's prompt-token mask and output counts into penalty row `slot`."""
         if self.penalty_state is None:
@@ -75,58 +99,48 @@ class ModelRunner:
         self.penalty_state = _set_row(*self.penalty_state, self.put(np.int32(slot), P()), self.put(mask, P()),
                                       self.put(counts, P()))
 
-    def sample(self, logits: jax.Array, floats: np.ndarray, top_k: np.ndarray, words: np.ndarray,
-               steps: np.ndarray, slots: np.ndarray, *, num_logprobs: int, penalties: bool, all_greedy: bool):
-        """Rows' tokens and logprobs, as numpy: (tokens[G, R], logprob[G, R], top_ids[G, R, N], top_lp[G, R, N]).
-
-        floats[G, R, 6], top_k / steps / slots [G, R], words u32[G, R, 3] (sampling.py's row packing).
-        """
-        put = self.put
-        if penalties:
-            mask, counts = self.penalty_state
-            out, counts = _sample_penalized(logits, put(floats), put(top_k), put(words), put(steps), put(slots),
-                                            mask, counts, num_logprobs=num_logprobs)
-            self.penalty_state = (mask, counts)
-        elif all_greedy:
-            out = _greedy(logits, num_logprobs=num_logprobs)
-        else:
-            out = _sample(logits, put(floats), put(top_k), put(words), put(steps), num_logprobs=num_logprobs)
-        return out
-
-
-def _flat(x):
-    return x.reshape(-1, *x.shape[2:])
-
 
 @jax.jit
 def _set_row(mask, counts, slot, mask_row, counts_row):
     return mask.at[slot].set(mask_row), counts.at[slot].set(counts_row)
 
 
-def _unflat(g: int, tokens, lp):
-    r = tokens.shape[0] // g
-    return (tokens.reshape(g, r), lp.logprob.reshape(g, r), lp.top_ids.reshape(g, r, -1),
-            lp.top_logprobs.reshape(g, r, -1))
+def _pack(g: int, tokens, lp) -> jax.Array:
+    """One i32[G, R, 2 + 2N] result: token, its logprob (bit-cast), top ids, top logprobs (bit-cast).
+
+    Integers, not floats: a cross-process broadcast may sum in float32, where bit-cast token
+    ids would be denormals and flushed to zero."""
+    bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    out = jnp.concatenate([tokens.astype(jnp.int32)[:, None], bits(lp.logprob)[:, None],
+                           lp.top_ids.astype(jnp.int32), bits(lp.top_logprobs)], axis=1)
+    return out.reshape(g, -1, out.shape[-1])
+
+
+def _tensors(floats, ints) -> tuple[SamplingTensors, jax.Array]:
+    """SamplingTensors from the packed rows (sampling.py's ROW_FLOATS; StepPlan.sample_ints), and the steps."""
+    f, i = floats.reshape(-1, floats.shape[-1]), ints.reshape(-1, ints.shape[-1])
+    words = jax.lax.bitcast_convert_type(i[:, 3:6], jnp.uint32)
+    return SamplingTensors.from_rows(f, i[:, 0], words), i[:, 1]
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def _greedy(logits, *, num_logprobs):
-    tokens, lp = sampling.greedy(_flat(logits), num_logprobs=num_logprobs)
-    return _unflat(logits.shape[0], tokens, lp)
+    tokens, lp = sampling.greedy(logits.reshape(-1, logits.shape[-1]), num_logprobs=num_logprobs)
+    return _pack(logits.shape[0], tokens, lp)
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def _sample(logits, floats, top_k, words, steps, *, num_logprobs):
-    t = SamplingTensors.from_rows(_flat(floats), top_k.reshape(-1), _flat(words))
-    tokens, lp = sampling.sample(_flat(logits), t, steps.reshape(-1), num_logprobs=num_logprobs)
-    return _unflat(logits.shape[0], tokens, lp)
+def _sample(logits, floats, ints, *, num_logprobs):
+    t, steps = _tensors(floats, ints)
+    tokens, lp = sampling.sample(logits.reshape(-1, logits.shape[-1]), t, steps, num_logprobs=num_logprobs)
+    return _pack(logits.shape[0], tokens, lp)
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",), donate_argnames=("counts",))
-def _sample_penalized(logits, floats, top_k, words, steps, slots, mask, counts, *, num_logprobs):
-    t = SamplingTensors.from_rows(_flat(floats), top_k.reshape(-1), _flat(words))
-    rows = slots.reshape(-1)
-    tokens, lp = sampling.sample(_flat(logits), t, steps.reshape(-1), mask[rows], counts[rows],
+def _sample_penalized(logits, floats, ints, mask, counts, *, num_logprobs):
+    t, steps = _tensors(floats, ints)
+    rows = ints.reshape(-1, ints.shape[-1])[:, 2]
+    tokens, lp = sampling.sample(logits.reshape(-1, logits.shape[-1]), t, steps, mask[rows], counts[rows],
                                  num_logprobs=num_logprobs)
     counts = counts.at[rows, tokens].add(1)            # padding rows add to the scratch row
-    return _unflat(logits.shape[0], tokens, lp), counts
+    return _pack(logits.shape[0], tokens, lp), counts

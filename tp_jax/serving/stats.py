@@ -52,17 +52,23 @@ class GenerationStats:
 
 
 def timed(events, stats: GenerationStats):
-    """Pass stream events through, filling `stats` (first event = end of prefill)."""
+    """Pass stream events through, filling `stats` (first event = end of prefill).
+
+    A request's first token comes from its prefill, so only its later tokens count as
+    decode tokens (with several prompts, the others' first tokens arrive after the first event).
+    """
     CompileClock.start()
     c0, t0 = CompileClock.total, time.perf_counter()
-    first = None
+    first, started = None, set()
     for ev in events:
         now = time.perf_counter()
         if first is None:
             first = (now, CompileClock.total)
             stats.ttft_s = now - t0
-        else:
+        key = (ev.index, getattr(ev, "sample", 0))          # one stream per prompt (and sample)
+        if key in started:
             stats.decode_tokens += 1
+        started.add(key)
         yield ev
     if first is not None:
         stats.decode_s = max(time.perf_counter() - first[0] - (CompileClock.total - first[1]), 0.0)

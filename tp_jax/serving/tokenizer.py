@@ -18,7 +18,8 @@ def load_tokenizer(path: str):
 
 @functools.lru_cache(maxsize=8)
 def _load(path: str, mtime: float):
-    if path.endswith(".gguf"):
+    from tp_jax.loaders.sources import is_gguf
+    if is_gguf(path):
         from tp_jax.loaders.gguf import load_gguf_tokenizer
         return load_gguf_tokenizer(path)
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):

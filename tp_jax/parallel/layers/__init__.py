@@ -1,12 +1,22 @@
-"""vLLM's parallel layers as Flax NNX modules (global params with specs, local forward)."""
+"""vLLM's parallel layers as Flax NNX modules (global params with specs, local forward).
+
+Each layer declares how its params split over tp once (`loading()` -> `ShardedParam`);
+the row-map helpers build those declarations, `Stack` scans stacked layers.
+"""
 
 from tp_jax.parallel.layers.base import ParallelModule
 from tp_jax.parallel.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
-                                  RowParallelLinear)
-from tp_jax.parallel.layers.loading import LazyTensor, PartRows, ShardedParam, WeightShapeError
+                                           RowParallelLinear)
+from tp_jax.parallel.layers.loading import (LazyTensor, PartRows, ShardedParam, WeightShapeError, contiguous_rows,
+                                            expand_heads, replicated_rows)
+from tp_jax.parallel.layers.norm import LayerNorm, RMSNorm
 from tp_jax.parallel.layers.qkv import QKVParallelLinear
-from tp_jax.parallel.layers.vocab import ParallelLMHead, VocabParallelEmbedding, padded_vocab_size
+from tp_jax.parallel.layers.stack import Stack
+from tp_jax.parallel.layers.table import Entry, WeightTable
+from tp_jax.parallel.layers.vocab import ParallelLMHead, ReplicatedEmbedding, VocabParallelEmbedding, padded_vocab_size
 
 __all__ = ["ParallelModule", "ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear",
            "RowParallelLinear", "QKVParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
-           "padded_vocab_size", "LazyTensor", "PartRows", "ShardedParam", "WeightShapeError"]
+           "ReplicatedEmbedding", "RMSNorm", "LayerNorm", "Stack", "padded_vocab_size",
+           "LazyTensor", "PartRows", "ShardedParam", "WeightShapeError",
+           "contiguous_rows", "replicated_rows", "expand_heads", "Entry", "WeightTable"]

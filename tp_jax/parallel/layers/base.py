@@ -1,7 +1,13 @@
-"""What every parallel layer shares: sharded param creation and the loading interface."""
+"""What every parallel layer shares: the loading interface, params created from their declaration.
+
+A `ParallelModule` declares each param once (`loading()` -> `ShardedParam`); `declared_param`
+creates the param from that declaration, so its PartitionSpec and padding mask are derived,
+never written a second time.
+"""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 import jax
@@ -15,7 +21,7 @@ Spec = tuple[str | None, ...]
 
 
 def check_tp_size(tp_size: int, where: str) -> None:
-    if not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
+    if not isinstance(tp_size, (int, np.integer)) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"{where}: tp_size={tp_size!r} must be a positive integer.")
 
 
@@ -28,15 +34,35 @@ def split_size(size: int, tp_size: int, what: str, where: str) -> int:
     return size // tp_size
 
 
+def show_init_signature(cls: type) -> None:
+    """Make `help(cls)` / `inspect.signature(cls)` show `__init__`'s arguments.
+
+    NNX's metaclass defines `__call__(*args, **kwargs)`, which `inspect` would report instead.
+    """
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    cls.__signature__ = inspect.Signature(params)
+
+
 class ParallelModule(nnx.Module):
-    """A module whose params are declared by `loading()` and can be filled from HF tensors."""
+    """A module whose params are declared by `loading()` and can be filled from checkpoint tensors.
+
+    Subclasses implement `loading() -> {param name: ShardedParam}` (the one statement of each
+    param's split) and create their params with `declared_param`. The loader reads a rank's
+    block through `load_block`; tests and small models can use `load_global` + `set_params`.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        show_init_signature(cls)
 
     def loading(self) -> dict[str, ShardedParam]:
-        raise NotImplementedError
+        """{param name: ShardedParam}: the checkpoint parts of each param and how it splits over tp."""
+        raise NotImplementedError(f"{type(self).__name__} declares no loading(); a ParallelModule must "
+                                  f"return {{param name: ShardedParam}}")
 
     def load_block(self, name: str, rank: int, tensors: Mapping[str, LazyTensor],
                    names: Mapping[str, str] | None = None) -> np.ndarray:
-        """Rank `rank`'s block of param `name`, built from full HF-layout tensors."""
+        """Rank `rank`'s block of param `name`, built from its parts (tensors in the declared layout)."""
         decl = self.loading()
         if name not in decl:
             raise KeyError(f"{type(self).__name__} has no param {name!r}; it has {sorted(decl)}")
@@ -45,16 +71,18 @@ class ParallelModule(nnx.Module):
     def load_global(self, tensors: Mapping[str, Mapping[str, LazyTensor]]) -> dict[str, np.ndarray]:
         """The full (global) value of each param: every rank's block, concatenated.
 
-        For tests and small models; the loader places per-device blocks instead.
+        `tensors`: {param name: {part: tensor}}. For tests and small models; the loader
+        places per-device blocks instead.
         """
         out = {}
         for name, decl in self.loading().items():
-            dim = sharded_dim(getattr(self, name).get_metadata().get("out_sharding"))
             blocks = [decl.block(r, tensors[name]) for r in range(self.tp_size)]
+            dim = decl.param_dim
             out[name] = blocks[0] if dim is None else np.concatenate(blocks, axis=dim)
         return out
 
     def set_params(self, values: Mapping[str, np.ndarray]) -> None:
+        """Set params from global values (e.g. `load_global`'s), checking each shape."""
         for name, value in values.items():
             var = getattr(self, name)
             expected = tuple(var[...].shape)
@@ -64,30 +92,17 @@ class ParallelModule(nnx.Module):
             var.set_value(jnp.asarray(value, var[...].dtype))
 
 
-def sharded_dim(spec: Spec | None) -> int | None:
-    """The index of the first sharded dimension of a spec, None when replicated."""
-    for i, axis in enumerate(spec or ()):
-        if axis is not None:
-            return i
-    return None
+ParallelModule.__signature__ = inspect.Signature()      # an abstract base: subclasses bring the arguments
 
 
-def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], spec: Spec, dtype, init=None,
-               zero_mask: np.ndarray | None = None) -> nnx.Param:
-    """An `nnx.Param` of global `shape` carrying `spec`; `zero_mask` zeroes padding entries."""
+def declared_param(rngs: nnx.Rngs, decl: ShardedParam, shape: tuple[int, ...], dtype, init=None) -> nnx.Param:
+    """An `nnx.Param` of global `shape` whose spec and padding zeros come from its declaration."""
     init = init or nnx.initializers.zeros_init()
     value = init(rngs.params(), shape, dtype)
-    if zero_mask is not None:
-        value = jnp.where(jnp.asarray(zero_mask), jnp.zeros((), dtype), value)
-    return nnx.Param(value, out_sharding=spec)
-
-
-def padding_mask(rows: np.ndarray, shape: tuple[int, ...], dim: int) -> np.ndarray | None:
-    """A broadcastable mask, True where `rows` (flattened over ranks) is padding."""
-    flat = np.asarray(rows).reshape(-1) < 0
-    if not flat.any():
-        return None
-    return flat.reshape([-1 if i == dim else 1 for i in range(len(shape))])
+    mask = decl.padding_mask(shape)
+    if mask is not None:
+        value = jnp.where(jnp.asarray(mask), jnp.zeros((), dtype), value)
+    return nnx.Param(value, out_sharding=decl.spec())
 
 
 def default_kernel_init():

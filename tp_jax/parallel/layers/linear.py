@@ -24,41 +24,41 @@ import numpy as np
 from flax import nnx
 
 from tp_jax.parallel import collectives
-from tp_jax.parallel.layers.base import (ParallelModule, check_tp_size, default_kernel_init, local_matmul,
-                                make_param, padding_mask, split_size)
-from tp_jax.parallel.layers.loading import PartRows, ShardedParam, contiguous_rows, replicated_rows
+from tp_jax.parallel.layers.base import (ParallelModule, check_tp_size, declared_param, default_kernel_init,
+                                         local_matmul, split_size)
+from tp_jax.parallel.heads import HeadPlan
+from tp_jax.parallel.layers.loading import PartRows, ShardedParam, contiguous_rows, expand_heads
 from tp_jax.parallel.mesh import TP
 
 
 class _Linear(ParallelModule):
-    """Shared body: a kernel [in, out] and an optional bias, sharded on one dimension."""
+    """Shared body: a kernel [in, out] and an optional bias [out], created from `loading()`."""
 
-    def __init__(self, in_features: int, out_features: int, *, tp_size: int, bias: bool,
-                 kernel_spec, bias_spec, dtype, rngs: nnx.Rngs, kernel_init=None):
+    def __init__(self, in_features: int, out_features: int, *, tp_size: int, bias: bool, dtype,
+                 rngs: nnx.Rngs, kernel_init=None):
         check_tp_size(tp_size, type(self).__name__)
         self.in_features, self.out_features, self.tp_size = in_features, out_features, tp_size
         self.use_bias = bias
         decl = self.loading()
-        kdim = 1 if kernel_spec[1] is not None else 0
-        kshape = (in_features, out_features)
-        self.kernel = make_param(rngs, kshape, kernel_spec, dtype, kernel_init or default_kernel_init(),
-                                 _mask(decl["kernel"], kshape, kdim))
-        if bias:
-            self.bias = make_param(rngs, (out_features,), bias_spec, dtype,
-                                   zero_mask=_mask(decl["bias"], (out_features,), 0))
-        else:
-            self.bias = None
+        self.kernel = declared_param(rngs, decl["kernel"], (in_features, out_features), dtype,
+                                     kernel_init or default_kernel_init())
+        self.bias = declared_param(rngs, decl["bias"], (out_features,), dtype) if bias else None
 
-    def _weights(self, out_rows: np.ndarray, in_rows: np.ndarray | None = None) -> dict[str, ShardedParam]:
-        """Declarations for kernel (HF [out, in]) and bias (HF [out]) from row maps."""
+    def _weights(self, out_rows: np.ndarray | None, in_rows: np.ndarray | None = None) -> dict[str, ShardedParam]:
+        """Declarations for kernel (HF weight [out, in]) and bias (HF [out]).
+
+        `out_rows`: each rank's output rows (column split); `in_rows`: each rank's input
+        columns (row split); neither: replicated.
+        """
         hf = (self._hf_out(), self._hf_in())
-        if in_rows is None:
-            kernel = ShardedParam({"weight": PartRows(hf, out_rows, dim=0)}, transpose=True)
+        if in_rows is not None:
+            kernel = ShardedParam({"weight": PartRows(hf, in_rows)}, split=1, transpose=True)
         else:
-            kernel = ShardedParam({"weight": PartRows(hf, in_rows, dim=1)}, transpose=True)
+            kernel = ShardedParam({"weight": PartRows(hf, out_rows)}, split=None if out_rows is None else 0,
+                                  transpose=True)
         decl = {"kernel": kernel}
         if self.use_bias:
-            decl["bias"] = ShardedParam({"bias": PartRows((hf[0],), out_rows, dim=0)})
+            decl["bias"] = ShardedParam({"bias": PartRows((hf[0],), out_rows)}, split=None if out_rows is None else 0)
         return decl
 
     def _hf_out(self) -> int:
@@ -68,24 +68,20 @@ class _Linear(ParallelModule):
         return self.in_features
 
 
-def _mask(decl: ShardedParam, shape, dim) -> np.ndarray | None:
-    """Padding mask of a single-part declaration along our (untransposed) dim."""
-    rows = np.concatenate([p.rows for p in decl.parts.values()], axis=1)
-    if rows.size != shape[dim]:   # replicated rows: no padding in the global array
-        return None
-    return padding_mask(rows, shape, dim)
-
-
 class ReplicatedLinear(_Linear):
-    """Y = X A + b with A[D, F] on every rank."""
+    """Y = X A + b with A[D, F] on every rank (no collective).
+
+    Args: `in_features`, `out_features`, `tp_size`, `bias`, `dtype`, `rngs`, `kernel_init`.
+    Checkpoint parts: "weight" `[F, D]`, "bias" `[F]`.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, tp_size: int = 1, bias: bool = True,
                  dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None):
-        super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, kernel_spec=(None, None),
-                         bias_spec=(None,), dtype=dtype, rngs=rngs, kernel_init=kernel_init)
+        super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, dtype=dtype, rngs=rngs,
+                         kernel_init=kernel_init)
 
     def loading(self):
-        return self._weights(replicated_rows(self.out_features, self.tp_size))
+        return self._weights(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = local_matmul(x, self.kernel[...])
@@ -93,14 +89,22 @@ class ReplicatedLinear(_Linear):
 
 
 class ColumnParallelLinear(_Linear):
-    """A[D, F_tp]: X[..., D] -> Y_local[..., F/tp], or Y[..., F] when `gather_output`."""
+    """A = [A_1, ..., A_p] along F: X[..., D] -> Y_local[..., F/tp], or Y[..., F] when `gather_output`.
+
+    Args:
+      in_features, out_features: D and F (global); tp must divide F.
+      tp_size: the mesh's tp size. bias: add b[F] (split like F).
+      gather_output: all-gather the output to [..., F].
+      dtype, rngs, kernel_init: param dtype, `nnx.Rngs`, kernel initializer.
+    Checkpoint parts: "weight" `[F, D]`, "bias" `[F]`.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, tp_size: int = 1, bias: bool = True,
                  gather_output: bool = False, dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None):
         self.out_local = split_size(out_features, tp_size, "out_features", type(self).__name__)
         self.gather_output = gather_output
-        super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, kernel_spec=(None, TP),
-                         bias_spec=(TP,), dtype=dtype, rngs=rngs, kernel_init=kernel_init)
+        super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, dtype=dtype, rngs=rngs,
+                         kernel_init=kernel_init)
 
     def loading(self):
         return self._weights(self._out_rows())
@@ -118,9 +122,12 @@ class ColumnParallelLinear(_Linear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Column layers of sizes `output_sizes` (e.g. gate, up) fused into one GEMM.
 
-    Rank i's block is [A^0_i, A^1_i, ...]; the HF parts are named "0", "1", ...
-    `split(y)` cuts a local output into the parts; with `gather_output` the parts
-    come back whole and in order, as if the layers had not been fused.
+    Rank i's block is [A^0_i, A^1_i, ...]; the checkpoint parts are named "0", "1", ...
+    (`[output_sizes[k], D]` each). `split(y)` cuts a local output into the parts; with
+    `gather_output` the parts come back whole and in order, as if the layers had not been fused.
+
+    Args: `in_features` D, `output_sizes` (tp must divide each), `tp_size`, `bias`,
+    `gather_output`, `dtype`, `rngs`, `kernel_init`.
     """
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], *, tp_size: int = 1,
@@ -137,8 +144,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         kernel, bias = {}, {}
         for i, size in enumerate(self.output_sizes):
             rows = contiguous_rows(size, self.tp_size)
-            kernel[str(i)] = PartRows((size, self.in_features), rows, dim=0)
-            bias[str(i)] = PartRows((size,), rows, dim=0)
+            kernel[str(i)] = PartRows((size, self.in_features), rows)
+            bias[str(i)] = PartRows((size,), rows)
         decl = {"kernel": ShardedParam(kernel, transpose=True)}
         if self.use_bias:
             decl["bias"] = ShardedParam(bias)
@@ -160,12 +167,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_Linear):
-    """A[D_tp, F]: X_local[..., D/tp] -> Y[..., F] = all_reduce(X_i A_i) + b.
+    """A = [A_1; ...; A_p] along D: X_local[..., D/tp] -> Y[..., F] = all_reduce(X_i A_i) + b.
 
-    `input_is_parallel=False` takes the full X[..., D] and keeps this rank's slice.
-    `reduce_results=False` returns the partial sum X_i A_i (+ b on rank 0 only), for a
-    caller that reduces later. `in_rows` overrides which HF input columns each rank
-    holds (-1 = a zero row), e.g. o_proj under a head plan with padded heads.
+    Args:
+      in_features, out_features: D and F (global); tp must divide D.
+      tp_size, bias (b[F], replicated, added once after the reduce), dtype, rngs, kernel_init.
+      input_is_parallel: False takes the full X[..., D] and keeps this rank's slice.
+      reduce_results: False returns the partial sum X_i A_i (+ b on rank 0 only), for a
+        caller that reduces later.
+      reduce_strategy: the all-reduce ("psum", "one_shot", "two_shot", "auto").
+      in_rows: [tp, D/tp] checkpoint input columns each rank holds (-1 = a zero row), e.g.
+        o_proj under a head plan with padded heads (see `over_heads`).
+      hf_in_features: the checkpoint weight's input size when it differs from D (padding).
+    Checkpoint parts: "weight" `[F, hf_in_features]`, "bias" `[F]`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_size: int = 1, bias: bool = True,
@@ -185,8 +199,20 @@ class RowParallelLinear(_Linear):
         # a tuple, not an array: nnx treats array attributes as data (state), this is static
         self.in_rows = None if in_rows is None else tuple(map(tuple, np.asarray(in_rows).tolist()))
         self.hf_in_features = in_features if hf_in_features is None else hf_in_features
-        super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, kernel_spec=(TP, None),
-                         bias_spec=(None,), dtype=dtype, rngs=rngs, kernel_init=kernel_init)
+        super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, dtype=dtype, rngs=rngs,
+                         kernel_init=kernel_init)
+
+    @classmethod
+    def over_heads(cls, plan: HeadPlan, head_dim: int, out_features: int, **kwargs) -> RowParallelLinear:
+        """The output projection (o_proj) after attention laid out by a head plan.
+
+        Input: the plan's query slots x head_dim per rank (padded slots read zero rows);
+        checkpoint weight `[out_features, num_heads * head_dim]`. `kwargs`: `tp_size` is the
+        plan's; pass `bias`, `dtype`, `rngs`, ... as to the constructor.
+        """
+        return cls(plan.padded_q_heads * head_dim, out_features, tp_size=plan.tp,
+                   in_rows=expand_heads(plan.q_heads, head_dim), hf_in_features=plan.num_heads * head_dim,
+                   **kwargs)
 
     def _hf_in(self) -> int:
         return self.hf_in_features
@@ -194,7 +220,7 @@ class RowParallelLinear(_Linear):
     def loading(self):
         in_rows = np.asarray(self.in_rows) if self.in_rows is not None else contiguous_rows(self.in_features,
                                                                                             self.tp_size)
-        return self._weights(replicated_rows(self.out_features, self.tp_size), in_rows)
+        return self._weights(None, in_rows)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if not self.input_is_parallel and self.tp_size > 1:

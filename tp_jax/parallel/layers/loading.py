@@ -1,13 +1,23 @@
-"""Weight-loading declarations (vLLM's `weight_loader`): full HF tensor -> one tp rank's block.
+"""Weight-loading declarations (vLLM's `weight_loader`): the one statement of how a param splits.
 
-A layer describes each of its params as a `ShardedParam`: which HF-layout tensors
-("parts") feed it, the HF shape each part must have, and, per part, the source rows
-of the sharded HF dimension that land on a rank (-1 = a zero padding row). The loader
-only calls `ShardedParam.block(rank, parts)`; it never slices on its own.
+A layer describes each of its params once, as a `ShardedParam`:
 
-Parts are *lazy tensors*: anything with `.shape` and numpy-style slicing (a numpy
-array, a safetensors slice, a memory map). A rank's block reads one contiguous slab
-per part, never the whole tensor.
+* `parts`: the checkpoint tensors ("parts") that feed it, each with the shape it must
+  have in the layer's declared layout (Linear weights `[out, in]`, as torch stores them)
+  and, when the param is split, the source rows of the split dimension each tp rank
+  takes (-1 = a zero padding row);
+* `split`: which dimension of those tensors is divided over tp (None: every rank holds
+  the whole tensor);
+* `transpose`: the param is the transpose of its parts (kernels are `[in, out]`).
+
+Everything else is derived from it: the param's PartitionSpec (`spec()`), its padding
+mask, one rank's block (`block()`), and, in the Orbax writer, the dimension a checkpoint
+tensor is chunked along. The loader only calls `ShardedParam.block(rank, parts)`; it never
+slices on its own.
+
+Parts are *lazy tensors*: anything with `.shape` and numpy-style slicing (a numpy array,
+a memory map, the loaders' tensors). A rank's block reads one contiguous slab per part,
+never the whole tensor.
 """
 
 from __future__ import annotations
@@ -18,49 +28,94 @@ from typing import Protocol
 
 import numpy as np
 
+from tp_jax.parallel.mesh import TP
+
 
 class LazyTensor(Protocol):
+    """A tensor that reads only what an index selects: `.shape` and `t[slices] -> np.ndarray`."""
     shape: tuple[int, ...]
 
     def __getitem__(self, index) -> np.ndarray: ...
 
 
 class WeightShapeError(ValueError):
-    """An HF tensor whose shape does not match what the layer expects."""
+    """A checkpoint tensor whose shape does not match what the layer expects."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PartRows:
-    """One HF tensor feeding a param: its expected shape and the rows each rank takes."""
+    """One checkpoint tensor feeding a param.
+
+    Args:
+      hf_shape: the shape the tensor must have, in the layer's declared layout.
+      rows: `[tp, n]` source indices along the param's split dimension that rank r takes
+        (`rows[r]`; -1 = a zero padding row), or None when the param is not split (every
+        rank takes the whole tensor).
+    """
     hf_shape: tuple[int, ...]
-    rows: np.ndarray          # [tp, rows_per_rank] source index along `dim`, -1 = zero
-    dim: int = 0              # the HF dimension that is sharded
+    rows: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardedParam:
-    """How a param's per-rank block is built from HF tensors.
+    """How one param divides over tp and which checkpoint tensors fill it.
 
-    The block is the concatenation of each part's taken rows along the sharded dim,
-    transposed when `transpose` (HF Linear weights are [out, in], our kernels [in, out]).
-    A replicated param has one part whose rows are the same on every rank.
+    Args:
+      parts: part name -> `PartRows`. A fused param has several ("q", "k", "v"); a rank's
+        block is the concatenation of each part's rows along `split`.
+      split: the dimension of the parts (declared layout) divided over tp, or None for a
+        param every rank holds whole (norms, a row-parallel bias).
+      transpose: the param is the parts' transpose (HF Linear `[out, in]` -> kernel `[in, out]`).
     """
     parts: Mapping[str, PartRows]
+    split: int | None = 0
     transpose: bool = False
+
+    def __post_init__(self):
+        for name, p in self.parts.items():
+            if (p.rows is None) != (self.split is None):
+                raise ValueError(f"part {name!r}: rows must be given exactly when the param is split "
+                                 f"(split={self.split})")
+
+    @property
+    def ndim(self) -> int:
+        return len(next(iter(self.parts.values())).hf_shape)
+
+    @property
+    def param_dim(self) -> int | None:
+        """The param's dimension divided over tp (the split dim after `transpose`), None if replicated."""
+        if self.split is None:
+            return None
+        return self.ndim - 1 - self.split if self.transpose else self.split
+
+    def spec(self) -> tuple[str | None, ...]:
+        """The param's PartitionSpec entries: TP on `param_dim`, None elsewhere."""
+        return tuple(TP if i == self.param_dim else None for i in range(self.ndim))
+
+    def padding_mask(self, shape: tuple[int, ...]) -> np.ndarray | None:
+        """A mask broadcastable to the global param `shape`, True on padding rows (None: no padding)."""
+        if self.split is None:
+            return None
+        flat = np.concatenate([p.rows for p in self.parts.values()], axis=1).reshape(-1) < 0
+        if not flat.any():
+            return None
+        return flat.reshape([-1 if i == self.param_dim else 1 for i in range(len(shape))])
 
     def block(self, rank: int, tensors: Mapping[str, LazyTensor], names: Mapping[str, str] | None = None,
               ) -> np.ndarray:
+        """Rank `rank`'s block, read from the parts' lazy tensors (`names`: part -> tensor name, for errors)."""
         missing = [p for p in self.parts if p not in tensors]
         if missing:
             raise KeyError(f"missing weight part(s) {missing}; this param needs {list(self.parts)}")
         blocks = []
         for part, spec in self.parts.items():
             t = tensors[part]
-            name = (names or {}).get(part, part)
-            check_shape(name, tuple(t.shape), spec.hf_shape)
-            blocks.append(take_rows(t, spec.rows[rank], spec.dim))
-        dim = next(iter(self.parts.values())).dim
-        out = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=dim)
+            check_shape((names or {}).get(part, part), tuple(t.shape), spec.hf_shape)
+            if self.split is None:
+                blocks.append(np.asarray(t[tuple(slice(None) for _ in spec.hf_shape)]))
+            else:
+                blocks.append(take_rows(t, spec.rows[rank], self.split))
+        out = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=self.split or 0)
         return out.T if self.transpose else out
 
 
@@ -90,18 +145,21 @@ def take_rows(t: LazyTensor, rows: np.ndarray, dim: int) -> np.ndarray:
     return np.where(pad, np.zeros((), slab.dtype), out)
 
 
+# --- row maps: which source rows each rank takes -------------------------------------------
+
 def contiguous_rows(size: int, tp: int, padded: int | None = None) -> np.ndarray:
-    """[tp, padded/tp] rows 0..size-1 in order, -1 beyond `size` (vocab padding)."""
+    """[tp, padded/tp]: rows 0..size-1 in order, -1 beyond `size` (vocab padding). Rank r takes run r."""
     padded = size if padded is None else padded
     rows = np.arange(padded)
     return np.where(rows < size, rows, -1).reshape(tp, padded // tp)
 
 
 def replicated_rows(size: int, tp: int) -> np.ndarray:
+    """[tp, size]: every rank takes every row (a param held whole but declared per rank)."""
     return np.tile(np.arange(size), (tp, 1))
 
 
 def expand_heads(heads: np.ndarray, head_dim: int) -> np.ndarray:
-    """[tp, n] head indices -> [tp, n*head_dim] row indices (padding stays -1)."""
+    """[tp, n] head indices -> [tp, n*head_dim] row indices (padding stays -1), e.g. from a head plan."""
     rows = heads[:, :, None] * head_dim + np.arange(head_dim)
     return np.where(heads[:, :, None] >= 0, rows, -1).reshape(heads.shape[0], -1)

@@ -19,7 +19,12 @@ from tp_jax.parallel.layers.loading import PartRows, ShardedParam, expand_heads
 class QKVParallelLinear(ColumnParallelLinear):
     """X[..., D] -> (Q[..., q_local, hd], K[..., kv_local, hd], V[..., kv_local, hd]) per rank.
 
-    HF parts: "q" [num_heads*hd, D], "k" and "v" [num_kv_heads*hd, D].
+    Args:
+      hidden_size: D. head_dim: hd. num_heads, num_kv_heads: query and KV heads (None: MHA).
+      tp_size: the mesh's tp size; the head plan (`.plan`, `plan_heads`) pads or replicates
+        heads so any tp works. bias: q/k/v biases. dtype, rngs, kernel_init: as for linear layers.
+    Checkpoint parts: "q" `[num_heads*hd, D]`, "k" and "v" `[num_kv_heads*hd, D]` (and the
+    biases); a fused q|k|v tensor feeds them through name-table entries with row offsets.
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int | None = None,
@@ -38,10 +43,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         rows = {"q": (self.num_heads, expand_heads(self.plan.q_heads, hd)),
                 "k": (self.num_kv_heads, expand_heads(self.plan.kv_heads, hd)),
                 "v": (self.num_kv_heads, expand_heads(self.plan.kv_heads, hd))}
-        kernel = {p: PartRows((n * hd, d), r, dim=0) for p, (n, r) in rows.items()}
-        decl = {"kernel": ShardedParam(kernel, transpose=True)}
+        kernel = {p: PartRows((n * hd, d), r) for p, (n, r) in rows.items()}
+        decl = {"kernel": ShardedParam(kernel, split=0, transpose=True)}
         if self.use_bias:
-            decl["bias"] = ShardedParam({p: PartRows((n * hd,), r, dim=0) for p, (n, r) in rows.items()})
+            decl["bias"] = ShardedParam({p: PartRows((n * hd,), r) for p, (n, r) in rows.items()}, split=0)
         return decl
 
     def split(self, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

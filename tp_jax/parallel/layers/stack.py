@@ -12,10 +12,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tp_jax.parallel.layers.base import show_init_signature
 from tp_jax.parallel.mesh import PP
 
 
 class Stack(nnx.Module):
+    """N copies of a module, params stacked on a leading layer axis sharded on pp.
+
+    Args:
+      make: `make(rngs) -> module`, called once per layer (under `nnx.vmap`).
+      num_layers: N (>= 1).
+      rngs: `nnx.Rngs`, split per layer.
+
+    `stack(fn, h, carry)` scans `h, carry = fn(layer_i, i, h, carry)` over the local layers and
+    returns (h, carry). In a name table, a stacked param's path is "<stack path>.layers.<param>" and its
+    checkpoint names carry `{i}` for the layer index.
+    """
+
     def __init__(self, make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs):
         if num_layers < 1:
             raise ValueError(f"Stack: num_layers={num_layers} must be >= 1.")
@@ -42,3 +55,6 @@ class Stack(nnx.Module):
         num_local = jax.tree.leaves(state)[0].shape[0]
         (h, carry), _ = jax.lax.scan(body, (h, carry), (state, jnp.arange(num_local, dtype=jnp.int32)))
         return h, carry
+
+
+show_init_signature(Stack)

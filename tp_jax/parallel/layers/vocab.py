@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tp_jax.parallel import collectives
-from tp_jax.parallel.layers.base import ParallelModule, check_tp_size, make_param, padding_mask
+from tp_jax.parallel.layers.base import ParallelModule, check_tp_size, declared_param
 from tp_jax.parallel.layers.loading import PartRows, ShardedParam, contiguous_rows
 from tp_jax.parallel.mesh import TP
 
@@ -25,12 +25,18 @@ VOCAB_PAD = 64
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """`vocab_size` rounded up to a multiple of lcm(64, tp): equal vocab runs per rank."""
     multiple = math.lcm(VOCAB_PAD, tp_size)
     return -(-vocab_size // multiple) * multiple
 
 
 class VocabParallelEmbedding(ParallelModule):
-    """ids[...] -> E[ids] of shape [..., D]; E[V_pad, D] sharded on the vocab rows. HF part: "weight"."""
+    """ids[...] -> E[ids] of shape [..., D]; E[V_pad, D] sharded on the vocab rows (one all-reduce).
+
+    Args: `num_embeddings` V (padded to a multiple of lcm(64, tp)), `features` D, `tp_size`,
+    `dtype`, `rngs`, `embedding_init` (default normal(0.02)). Checkpoint part: "weight" `[V, D]`.
+    `attend(h)` gives tied-head logits.
+    """
 
     def __init__(self, num_embeddings: int, features: int, *, tp_size: int = 1, dtype=jnp.float32,
                  rngs: nnx.Rngs, embedding_init=None):
@@ -41,14 +47,12 @@ class VocabParallelEmbedding(ParallelModule):
         self.num_embeddings, self.features, self.tp_size = num_embeddings, features, tp_size
         self.padded_size = padded_vocab_size(num_embeddings, tp_size)
         self.local_size = self.padded_size // tp_size
-        shape = (self.padded_size, features)
-        rows = contiguous_rows(num_embeddings, tp_size, self.padded_size)
         init = embedding_init or nnx.initializers.normal(0.02)
-        self.embedding = make_param(rngs, shape, (TP, None), dtype, init, padding_mask(rows, shape, 0))
+        self.embedding = declared_param(rngs, self.loading()["embedding"], (self.padded_size, features), dtype, init)
 
     def loading(self):
         rows = contiguous_rows(self.num_embeddings, self.tp_size, self.padded_size)
-        return {"embedding": ShardedParam({"weight": PartRows((self.num_embeddings, self.features), rows)})}
+        return {"embedding": ShardedParam({"weight": PartRows((self.num_embeddings, self.features), rows)}, split=0)}
 
     def _start(self) -> jax.Array | int:
         return collectives.axis_index(TP) * self.local_size if self.tp_size > 1 else 0
@@ -73,7 +77,11 @@ class VocabParallelEmbedding(ParallelModule):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection W[V_pad, D] (HF `lm_head.weight` [V, D]); `__call__` gives logits."""
+    """The output projection W[V_pad, D] (HF `lm_head.weight` [V, D]); `__call__(h)` gives logits.
+
+    Args: `num_embeddings` V, `features` D, `tp_size`, `gather_output` (all-gather the vocab:
+    [..., V]; else [..., V_pad/tp] with padding at the dtype's minimum), `dtype`, `rngs`.
+    """
 
     def __init__(self, num_embeddings: int, features: int, *, tp_size: int = 1, gather_output: bool = True,
                  dtype=jnp.float32, rngs: nnx.Rngs):
@@ -83,3 +91,24 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __call__(self, h: jax.Array) -> jax.Array:
         return self.attend(h, self.gather_output)
+
+
+class ReplicatedEmbedding(ParallelModule):
+    """ids[...] -> E[ids] of shape [..., D] with the whole table E[N, D] on every rank (no collective).
+
+    For small tables such as GPT-2's learned positions (`wpe`). Args: `num_embeddings` N,
+    `features` D, `tp_size`, `dtype`, `rngs`, `embedding_init`. Checkpoint part: "weight" `[N, D]`.
+    """
+
+    def __init__(self, num_embeddings: int, features: int, *, tp_size: int = 1, dtype=jnp.float32,
+                 rngs: nnx.Rngs, embedding_init=None):
+        check_tp_size(tp_size, type(self).__name__)
+        self.num_embeddings, self.features, self.tp_size = num_embeddings, features, tp_size
+        init = embedding_init or nnx.initializers.normal(0.02)
+        self.embedding = declared_param(rngs, self.loading()["embedding"], (num_embeddings, features), dtype, init)
+
+    def loading(self):
+        return {"embedding": ShardedParam({"weight": PartRows((self.num_embeddings, self.features))}, split=None)}
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0)

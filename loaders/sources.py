@@ -1,0 +1,77 @@
+"""The one checkpoint-source dispatcher: a path -> (tensor source, model config).
+
+    a `.gguf` file (any case: `M.GGUF` too)       -> GGUFSource, config from its metadata
+    a directory with `orbax/` and config.json      -> OrbaxSource (scripts/convert.py --to orbax)
+    a directory with *.safetensors and config.json -> SafetensorsSource
+
+Every source has `keys()`, `in` and `get(name) -> lazy tensor`, under Hugging Face tensor
+names and layouts (docs/adding_a_loader_source.md). A directory that an interrupted
+Orbax conversion left behind is named as such, with the command that redoes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+
+from tp_jax.models.config import ModelConfig, config_from_hf, load_config
+
+ORBAX_SUBDIR = "orbax"
+ORBAX_TMP = ".orbax-checkpoint-tmp"      # orbax writes `<dir>.orbax-checkpoint-tmp*` and renames it at the end
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """An opened checkpoint: `source` (name -> lazy tensor) and the model `config` it is for."""
+    path: str
+    source: object
+    config: ModelConfig
+
+    def __iter__(self):
+        """`source, config = open_checkpoint(path)` also works."""
+        return iter((self.source, self.config))
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and str(path).lower().endswith(".gguf")
+
+
+def is_orbax_dir(path: str) -> bool:
+    """True for a model directory holding an `orbax/` checkpoint next to its config.json."""
+    return os.path.isdir(os.path.join(path, ORBAX_SUBDIR))
+
+
+def interrupted_orbax(path: str) -> list[str]:
+    """Temporary directories an interrupted Orbax conversion left in `path`."""
+    return sorted(glob.glob(os.path.join(glob.escape(path), ORBAX_SUBDIR + ORBAX_TMP + "*")))
+
+
+def open_source(path: str):
+    """The tensor source of `path` (no config): for converters that copy tensors."""
+    return open_checkpoint(path, config=False).source
+
+
+def open_checkpoint(path: str, *, config: bool = True) -> Checkpoint:
+    """The source and model config of a `.gguf` file, an Orbax directory or a safetensors directory."""
+    path = str(path)
+    if is_gguf(path):
+        from tp_jax.loaders.gguf import GGUFSource
+        source = GGUFSource(path)
+        return Checkpoint(path, source, config_from_hf(source.hf_config()) if config else None)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model {path!r} is neither a directory with config.json and *.safetensors "
+                                f"(or orbax/) nor a .gguf file")
+    if is_orbax_dir(path):
+        from tp_jax.loaders.orbax import OrbaxSource
+        cfg = load_config(path) if config else None
+        return Checkpoint(path, OrbaxSource(path), cfg)
+    left = interrupted_orbax(path)
+    if left:
+        from tp_jax.loaders.orbax import OrbaxCheckpointError
+        raise OrbaxCheckpointError(f"{path} holds no finished Orbax checkpoint, only {left}, left by an interrupted "
+                                   f"conversion; delete it and re-run `python scripts/convert.py SRC {path} "
+                                   f"--to orbax --overwrite`")
+    from tp_jax.loaders.safetensors import SafetensorsSource
+    cfg = load_config(path) if config else None
+    return Checkpoint(path, SafetensorsSource(path), cfg)

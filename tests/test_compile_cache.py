@@ -1,0 +1,48 @@
+"""JAX's persistent compilation cache: on by default, stored where stated, read by a second process, off on request."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.tiny_models import make_checkpoint
+
+PROGRAM = """
+import collections, json, sys
+import jax
+events = collections.Counter()
+jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
+from tp_jax.serving import compile_cache
+directory = compile_cache.enable(min_compile_s=0.0)
+from tp_jax import LLM, SamplingParams
+llm = LLM(sys.argv[1], progress=False)
+out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0].token_ids
+print(json.dumps({"dir": directory, "hits": events["/jax/compilation_cache/cache_hits"],
+                  "misses": events["/jax/compilation_cache/cache_misses"], "tokens": out}))
+"""
+
+
+def run(model: str, env: dict) -> dict:
+    r = subprocess.run([sys.executable, "-c", PROGRAM, model], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": os.getcwd(), **env})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_reads_the_compiled_steps(tmp_path):
+    model = make_checkpoint("gqa", str(tmp_path))
+    cache = str(tmp_path / "xla")
+    first = run(model, {"TP_JAX_COMPILE_CACHE": cache})
+    assert first["dir"] == cache and first["misses"] > 0 and len(os.listdir(cache)) > 0
+    second = run(model, {"TP_JAX_COMPILE_CACHE": cache})
+    assert second["hits"] >= first["misses"] - 1 and second["tokens"] == first["tokens"]
+
+
+def test_the_cache_can_be_turned_off_and_defaults_to_the_user_cache_dir(tmp_path):
+    model = make_checkpoint("gqa", str(tmp_path))
+    off = run(model, {"TP_JAX_COMPILE_CACHE": "0"})
+    assert off["dir"] is None and off["hits"] == 0
+    env = {"XDG_CACHE_HOME": str(tmp_path / "home_cache")}
+    default = run(model, {**env, "TP_JAX_COMPILE_CACHE": ""})
+    assert default["dir"] == str(tmp_path / "home_cache" / "tp_jax" / "xla")
+    assert os.listdir(default["dir"])

@@ -71,3 +71,7 @@ def smollm2_converted(smollm2_path, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("smollm2_hf"))
     convert_gguf(smollm2_path, out, "float32")
     return out
+
+
+# --- the OpenAI-compatible server as a subprocess (tests/server_process.py), shared by the server tests ----
+from tests.server_process import tiny_path, tiny_server  # noqa: E402,F401

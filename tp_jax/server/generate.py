@@ -76,7 +76,8 @@ def run(args) -> int:
     stats = GenerationStats()
     t = time.perf_counter()
     llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
-              dtype=args.dtype, max_model_len=args.max_model_len, progress=is_driver())
+              dtype=args.dtype, max_model_len=args.max_model_len, progress=is_driver(),
+              compile_cache=not args.no_compile_cache)
     stats.load_s = time.perf_counter() - t
     prompts = texts
     if args.chat:

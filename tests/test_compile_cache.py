@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from tests.tiny_models import make_checkpoint
+from tests.tiny_models import make_checkpoint, make_tokenized_checkpoint
 
 PROGRAM = """
 import collections, json, sys
@@ -48,8 +48,8 @@ def test_the_cache_can_be_turned_off_and_defaults_to_the_user_cache_dir(tmp_path
     assert os.listdir(default["dir"])
 
 
-def test_the_command_line_flag_turns_it_off(tmp_path):
-    model = make_checkpoint("gqa", str(tmp_path))
+def test_the_command_line_flag_turns_it_off(tmp_path, smollm2_path):
+    model = make_tokenized_checkpoint(str(tmp_path), smollm2_path)
     cache = tmp_path / "xla"
     cmd = [sys.executable, "scripts/generate.py", "--model", model, "--prompt", "hi", "--max-tokens", "2"]
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "TP_JAX_COMPILE_CACHE": str(cache)}

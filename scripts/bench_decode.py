@@ -7,7 +7,8 @@ Roofline: bytes of weights read per decode step / the machine's measured read ba
 `bare_forward_ms` times the model's jitted forward alone on the same decode step (the
 engine's batch, its paged pool), so `step_over_forward` is the engine's own overhead
 (scheduling, batch building, transfers, sampling). With --pp > 1 each batch row also reports
-the GPipe bubble (idle stage-steps / total) for the engine's micro-batch count.
+the GPipe bubble (idle stage-steps / total) for the engine's micro-batch count. Each batch size
+is measured for the scanned layer stack and `LLM(unroll_layers=True)` side by side (--layers).
 """
 
 import argparse
@@ -27,6 +28,8 @@ def parse_args():
     ap.add_argument("--num-microbatches", type=int, default=None, help="default: pp")
     ap.add_argument("--simulate-devices", type=int, default=0)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--layers", nargs="+", default=["scan", "unrolled"], choices=["scan", "unrolled"],
+                    help="LLM(unroll_layers=False / True), each measured in this run (default both)")
     ap.add_argument("--prompt", default="Once upon a time")
     return ap.parse_args()
 
@@ -99,8 +102,10 @@ def main():
     from flax import nnx
     from tp_jax import LLM
     from tp_jax.parallel.pipeline import bubble_fraction
-    llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp,
-              pipeline_parallel_size=args.pp, num_microbatches=args.num_microbatches, progress=False)
+    kw = dict(tensor_parallel_size=args.tp, data_parallel_size=args.dp, pipeline_parallel_size=args.pp,
+              num_microbatches=args.num_microbatches, progress=False)
+    llms = {mode: LLM(args.model, unroll_layers=mode == "unrolled", **kw) for mode in args.layers}
+    llm = next(iter(llms.values()))
     ids = llm.get_tokenizer().encode(args.prompt)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model, nnx.Param)))
     bandwidth = read_bandwidth_gbps()
@@ -113,20 +118,27 @@ def main():
               "platform": jax.default_backend(), "devices": jax.device_count(),
               "weight_bytes": weight_bytes, "read_bandwidth_GBps": round(bandwidth, 2)}
     roofline_step = weight_bytes / (bandwidth * 1e9)
+    steps = {}
     for b in args.batch:
-        step, toks = ours(llm, ids, b, args.tokens)
-        fwd = bare_forward(llm, ids, b, args.tokens)
-        mb = llm.engine.core.microbatches
-        row = {"tp_jax_tokens_per_s": round(b / step, 2), "tp_jax_step_ms": round(step * 1e3, 2),
-               "bare_forward_ms": round(fwd * 1e3, 2), "step_over_forward": round(step / fwd, 3),
-               "roofline_pct": round(100 * roofline_step / step, 1), "microbatches": mb,
-               "bubble_fraction": round(bubble_fraction(args.pp, mb), 3)}
+        row = {}
         if hf is not None:
             hf_step, hf_toks = theirs(hf, ids, b, args.tokens)
-            row.update({"transformers_tokens_per_s": round(b / hf_step, 2),
-                        "transformers_step_ms": round(hf_step * 1e3, 2), "speedup": round(hf_step / step, 2),
-                        "same_tokens": toks == hf_toks})
+            row.update({"transformers_tokens_per_s": round(b / hf_step, 2), "transformers_step_ms": round(hf_step * 1e3, 2)})
+        for mode, m in llms.items():
+            step, toks = ours(m, ids, b, args.tokens)
+            fwd = bare_forward(m, ids, b, args.tokens)
+            mb = m.engine.core.microbatches
+            steps[mode, b] = step
+            row[mode] = {"tokens_per_s": round(b / step, 2), "step_ms": round(step * 1e3, 2),
+                         "bare_forward_ms": round(fwd * 1e3, 2), "step_over_forward": round(step / fwd, 3),
+                         "roofline_pct": round(100 * roofline_step / step, 1), "microbatches": mb,
+                         "bubble_fraction": round(bubble_fraction(args.pp, mb), 3)}
+            if hf is not None:
+                row[mode].update({"speedup_vs_transformers": round(hf_step / step, 2), "same_tokens": toks == hf_toks})
         result[f"batch{b}"] = row
+    lo, hi = min(args.batch), max(args.batch)
+    if lo != hi:
+        result[f"step_batch{hi}_over_batch{lo}"] = {mode: round(steps[mode, hi] / steps[mode, lo], 2) for mode in llms}
     print(json.dumps(result))
 
 

@@ -75,6 +75,7 @@ RULES: dict[str, Callable[[str, Any], None]] = {
     "seed": any_int,
     "progress": _flag,
     "check_weights": _flag,
+    "unroll_layers": _flag,
 }
 
 

@@ -61,7 +61,9 @@ class LLM:
     loading, on by default; False skips it); compile_cache (True: JAX's persistent compilation
     cache in ~/.cache/tp_jax/xla or $TP_JAX_COMPILE_CACHE; a directory; False: off; see
     tp_jax/serving/compile_cache.py); attention_backend ("reference", or "jax_nn":
-    jax.nn.dot_product_attention, cuDNN on GPUs).
+    jax.nn.dot_product_attention, cuDNN on GPUs); unroll_layers (True: one array per layer and
+    the layers unrolled in each step, no per-layer weight copies; faster decode on XLA:CPU, about
+    10x the compile time per step shape, which the compile cache keeps; see docs/performance.md).
     """
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -71,7 +73,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
                  check_weights: bool = True, compile_cache: bool | str = True,
-                 attention_backend: str = "reference"):
+                 attention_backend: str = "reference", unroll_layers: bool = False):
         validate_llm_args(**locals())                  # types and ranges, before any work (EngineConfig: the rest)
         from tp_jax.serving import compile_cache as cache
         self.compile_cache_dir = cache.enable(compile_cache)
@@ -103,6 +105,9 @@ class LLM:
                       num_gpu_blocks=num_gpu_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes)
         self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress,
                                       check_weights=check_weights)
+        if unroll_layers:
+            from tp_jax.parallel.layers.stack import unstack_all
+            unstack_all(self.model, self.mesh)
         self.seed, self.max_num_seqs = seed, max_num_seqs
         self._forward = None
         self._engine = None

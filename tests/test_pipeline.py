@@ -110,8 +110,9 @@ def test_unrolled_layers_match(deep, workload_refs, dp, pp, tp):
     assert float(np.abs(logits - scanned.get_logits(ids)).max()) <= 1e-6
     assert float(np.abs(logits - ref).max()) <= 1e-4
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
-    work, hf, alone = workload_refs
-    assert run_workload(llm.engine, work) == alone
+    if dp * pp * tp > 1:                             # continuous batching on the unrolled stack
+        work, hf, alone = workload_refs
+        assert run_workload(llm.engine, work) == alone
     hlo, scanned_hlo = step_hlo(llm), step_hlo(scanned)
     layers_per_stage = len(llm.model.layer_map) // pp
     assert loop_bodies(hlo) == []

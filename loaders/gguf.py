@@ -188,9 +188,40 @@ class GGUFTensor:
         return gguf.quants.dequantize(np.asarray(raw), qtype)
 
     @property
+    def quant_type(self) -> str:
+        """The tensor's GGUF type name: "F32", "F16", "BF16", "Q8_0", "Q4_1", ..."""
+        return self._info.tensor_type.name
+
+    def blocks(self) -> RawBlocks:
+        """The raw quant blocks `[rows, in/32, bytes]` (uint8, HF row order), read lazily from the memory map."""
+        return RawBlocks(self)
+
+    @property
     def reads_file_directly(self) -> bool:
         """True when reads come straight from the memory map (no dequant, no permutation)."""
         return self._perm is None and self._info.tensor_type in (QT.F32, QT.F16)
+
+
+class RawBlocks:
+    """A quantized GGUFTensor's blocks, not dequantized: shape `[rows, blocks per row, bytes per block]`.
+
+    `blocks[rows, blocks, bytes]` (contiguous slices) reads only those rows from the memory
+    map, un-rotating q/k rows like the float reads (the permutation moves whole rows).
+    """
+
+    def __init__(self, tensor: GGUFTensor):
+        block, size = gguf.GGML_QUANT_SIZES[tensor._info.tensor_type]
+        self._tensor = tensor
+        self.shape = (tensor.shape[0], tensor.shape[1] // block, size)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (3 - len(index))
+        rows = np.arange(self.shape[0])[index[0]]
+        t = self._tensor
+        src = rows if t._perm is None else t._perm[rows]
+        raw = np.asarray(t._info.data[src]).reshape(len(rows), *self.shape[1:])
+        return raw[:, index[1], index[2]]
 
 
 class GGUFSource:

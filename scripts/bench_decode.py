@@ -1,6 +1,7 @@
 """Decode throughput of tp_jax vs transformers on SmolLM2 (greedy, same weights, same prompt), one JSON line.
 
     python scripts/bench_decode.py [--batch 1 8] [--tokens 64] [--dp 1 --pp 1 --tp 1] [--simulate-devices N]
+                                   [--quantization none int8 gguf]
 
 Decode time is T(N tokens) - T(1 token), for both engines, so prefill and compile are out.
 Roofline: bytes of weights read per decode step / the machine's measured read bandwidth.
@@ -8,6 +9,9 @@ Roofline: bytes of weights read per decode step / the machine's measured read ba
 engine's batch, its paged pool), so `step_over_forward` is the engine's own overhead
 (scheduling, batch building, transfers, sampling). With --pp > 1 each batch row also reports
 the GPipe bubble (idle stage-steps / total) for the engine's micro-batch count.
+`--quantization` takes one or more of auto / none / int8 / gguf: each is loaded in turn and
+measured in the same run, side by side ("results": one entry each, with the bytes of
+weights per device and the greedy tokens' agreement with the first entry).
 """
 
 import argparse
@@ -28,6 +32,8 @@ def parse_args():
     ap.add_argument("--simulate-devices", type=int, default=0)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--prompt", default="Once upon a time")
+    ap.add_argument("--quantization", nargs="+", default=["auto"], help="auto, none, int8, gguf (several: side "
+                    "by side in one run)")
     return ap.parse_args()
 
 
@@ -90,28 +96,21 @@ def theirs(model, ids, batch, n):
     return (t_n - t_1) / (n - 1), tokens
 
 
-def main():
-    args = parse_args()
-    if args.simulate_devices:
-        from tp_jax.multihost.devices import simulate_cpu_devices
-        simulate_cpu_devices(args.simulate_devices)
+def measure(args, quantization: str, bandwidth: float, hf, first_tokens: dict) -> dict:
+    """One quantization's rows: load, then every batch size (the LLM is dropped before the next load)."""
     import jax
     from flax import nnx
     from tp_jax import LLM
+    from tp_jax.loaders.model import param_bytes_per_device
     from tp_jax.parallel.pipeline import bubble_fraction
     llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp,
-              pipeline_parallel_size=args.pp, num_microbatches=args.num_microbatches, progress=False)
+              pipeline_parallel_size=args.pp, num_microbatches=args.num_microbatches, progress=False,
+              quantization=None if quantization == "none" else quantization)
     ids = llm.get_tokenizer().encode(args.prompt)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model, nnx.Param)))
-    bandwidth = read_bandwidth_gbps()
-    hf = None
-    if not args.no_transformers:
-        from hf_reference import load_hf_model
-        hf = load_hf_model(llm.model_path)
-    result = {"model": os.path.basename(llm.model_path), "dtype": str(llm.dtype.__name__ if hasattr(llm.dtype, "__name__") else llm.dtype),
-              "tp": args.tp, "dp": args.dp, "pp": args.pp, "tokens": args.tokens,
-              "platform": jax.default_backend(), "devices": jax.device_count(),
-              "weight_bytes": weight_bytes, "read_bandwidth_GBps": round(bandwidth, 2)}
+    out = {"quantization": quantization, "weights": llm.quantization, "dtype": jax.numpy.dtype(llm.dtype).name,
+           "weight_bytes": weight_bytes,
+           "weight_bytes_per_device": param_bytes_per_device(llm.model, llm.mesh)}
     roofline_step = weight_bytes / (bandwidth * 1e9)
     for b in args.batch:
         step, toks = ours(llm, ids, b, args.tokens)
@@ -121,12 +120,38 @@ def main():
                "bare_forward_ms": round(fwd * 1e3, 2), "step_over_forward": round(step / fwd, 3),
                "roofline_pct": round(100 * roofline_step / step, 1), "microbatches": mb,
                "bubble_fraction": round(bubble_fraction(args.pp, mb), 3)}
+        first = first_tokens.setdefault(b, toks)
+        row["greedy_agreement_with_first"] = round(sum(x == y for x, y in zip(toks, first)) / len(first), 3)
         if hf is not None:
-            hf_step, hf_toks = theirs(hf, ids, b, args.tokens)
-            row.update({"transformers_tokens_per_s": round(b / hf_step, 2),
-                        "transformers_step_ms": round(hf_step * 1e3, 2), "speedup": round(hf_step / step, 2),
-                        "same_tokens": toks == hf_toks})
-        result[f"batch{b}"] = row
+            hf_step, hf_toks = hf[b]
+            row.update({"speedup_over_transformers": round(hf_step / step, 2), "same_tokens": toks == hf_toks})
+        out[f"batch{b}"] = row
+    return out
+
+
+def main():
+    args = parse_args()
+    if args.simulate_devices:
+        from tp_jax.multihost.devices import simulate_cpu_devices
+        simulate_cpu_devices(args.simulate_devices)
+    import jax
+    from tp_jax.loaders.default import default_model_path
+    from tp_jax.serving.tokenizer import load_tokenizer
+    path = args.model or default_model_path()
+    bandwidth = read_bandwidth_gbps()
+    result = {"model": os.path.basename(path), "tp": args.tp, "dp": args.dp, "pp": args.pp, "tokens": args.tokens,
+              "platform": jax.default_backend(), "devices": jax.device_count(),
+              "read_bandwidth_GBps": round(bandwidth, 2)}
+    hf = None
+    if not args.no_transformers:
+        from hf_reference import load_hf_model
+        model, ids = load_hf_model(path), load_tokenizer(path).encode(args.prompt)
+        hf = {b: theirs(model, ids, b, args.tokens) for b in args.batch}
+        result["transformers"] = {f"batch{b}": {"tokens_per_s": round(b / s, 2), "step_ms": round(s * 1e3, 2)}
+                                  for b, (s, _) in hf.items()}
+        del model
+    first_tokens: dict = {}
+    result["results"] = [measure(args, q, bandwidth, hf, first_tokens) for q in args.quantization]
     print(json.dumps(result))
 
 

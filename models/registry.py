@@ -56,6 +56,14 @@ def register(name: str, model: type, *, config: Callable, weights: Callable) -> 
     return arch
 
 
+# What the serving engine calls on a model (docs/design.md, contract 8)
+ENGINE_METHODS = {
+    "hidden_states": "hidden_states(ids, positions, cache=None, *, microbatches=1) -> (h, cache)",
+    "logits": "logits(h) -> logits, all-gathered over tp",
+    "kv_layout": "kv_layout() -> KVLayout, the paged pool it needs",
+}
+
+
 def check_contract(name: str, model, config, weights) -> None:
     where = f"register({name!r}, {getattr(model, '__qualname__', model)!r})"
     problems = []
@@ -71,6 +79,9 @@ def check_contract(name: str, model, config, weights) -> None:
                         f"model(cfg, tp_size=..., pp_size=..., dtype=..., rngs=...)")
     if not hasattr(model, "layer_map"):
         problems.append("it has no `layer_map` (a property: stacked layer slot -> HF layer index, -1 = identity)")
+    for method, sig in ENGINE_METHODS.items():
+        if not callable(getattr(model, method, None)):
+            problems.append(f"it has no `{method}` method ({sig}); the serving engine calls it")
     for what, fn, sig in (("config", config, "config(hf_config, raw) -> ModelConfig"),
                           ("weights", weights, "weights(cfg) -> WeightTable")):
         if not callable(fn):

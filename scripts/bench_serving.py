@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from tp_jax.server.bench_client import summarize
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -59,17 +61,6 @@ def make_workload(args, vocab: int) -> list[dict]:
                     "max_tokens": int(rng.integers(args.output_len[0], args.output_len[1] + 1)),
                     "arrival": float(arrivals[i])})
     return out
-
-
-def summarize(records: list[dict], wall: float) -> dict:
-    """records: {"arrival", "first", "done", "n"} in seconds (same clock); -> the reported figures."""
-    ttft = np.array([r["first"] - r["arrival"] for r in records])
-    tpot = np.array([(r["done"] - r["first"]) / (r["n"] - 1) for r in records if r["n"] > 1])
-    tokens = sum(r["n"] for r in records)
-    pct = lambda x, q: round(float(np.percentile(x, q)), 4) if len(x) else None
-    return {"output_tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(records) / wall, 3),
-            "wall_s": round(wall, 2), "output_tokens": tokens, "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99)}
 
 
 def run_ours(llm, work: list[dict]) -> tuple[dict, dict]:

@@ -14,6 +14,9 @@ if "collective_call_terminate_timeout" not in _flags:
     _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=60"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# the KV pools of the many models a session loads: at most 512 MiB each by default (see kv_pool.py)
+os.environ.setdefault("TP_JAX_CPU_KV_CACHE_BYTES", str(512 * 2**20))
+os.environ.setdefault("TP_JAX_TOKENIZER_CACHE", __import__("tempfile").mkdtemp(prefix="tp_jax_tok_"))
 # JAX's persistent compilation cache (on by default in LLM) in a directory of this session, never ~/.cache
 os.environ.setdefault("TP_JAX_COMPILE_CACHE", __import__("tempfile").mkdtemp(prefix="tp_jax_xla_"))
 
@@ -68,3 +71,7 @@ def smollm2_converted(smollm2_path, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("smollm2_hf"))
     convert_gguf(smollm2_path, out, "float32")
     return out
+
+
+# --- the OpenAI-compatible server as a subprocess (tests/server_process.py), shared by the server tests ----
+from tests.server_process import tiny_path, tiny_server  # noqa: E402,F401

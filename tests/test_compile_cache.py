@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from tests.tiny_models import make_checkpoint
+from tests.tiny_models import make_checkpoint, make_tokenized_checkpoint
 
 PROGRAM = """
 import collections, json, sys
@@ -46,3 +46,16 @@ def test_the_cache_can_be_turned_off_and_defaults_to_the_user_cache_dir(tmp_path
     default = run(model, {**env, "TP_JAX_COMPILE_CACHE": ""})
     assert default["dir"] == str(tmp_path / "home_cache" / "tp_jax" / "xla")
     assert os.listdir(default["dir"])
+
+
+def test_the_command_line_flag_turns_it_off(tmp_path, smollm2_path):
+    model = make_tokenized_checkpoint(str(tmp_path), smollm2_path)
+    cache = tmp_path / "xla"
+    cmd = [sys.executable, "scripts/generate.py", "--model", model, "--prompt", "hi", "--max-tokens", "2"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TP_JAX_COMPILE_CACHE": str(cache)}
+    off = subprocess.run([*cmd, "--no-compile-cache"], capture_output=True, text=True, timeout=600, env=env)
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert not cache.exists() or not os.listdir(cache)
+    on = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert on.returncode == 0, on.stderr[-2000:]
+    assert os.listdir(cache)

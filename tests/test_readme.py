@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs as written, in a fresh process on 8 simulated CPU devices."""
+"""Every ```python block of README.md runs as written, in a fresh process on 8 simulated CPU devices (the
+`openai` client sample needs a server: tests/test_server_smollm2.py runs it against one)."""
 
 import os
 import re
@@ -18,19 +19,22 @@ def run(code: str) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-def test_readme_has_the_two_samples():
-    assert len(BLOCKS) == 2 and "LLM(None" in BLOCKS[0] and "shard_module" in BLOCKS[1]
+FRONT_DOOR, OWN_MODEL = (next(b for b in BLOCKS if key in b) for key in ("LLM(None", "shard_module"))
+
+
+def test_readme_has_the_three_samples():
+    assert len(BLOCKS) == 3 and sum("from openai import OpenAI" in b for b in BLOCKS) == 1
 
 
 def test_own_model_sample():
-    out = run(BLOCKS[1])
+    out = run(OWN_MODEL)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "(4, 512)"
 
 
 @pytest.mark.slow
 def test_front_door_sample(smollm2_path):
-    out = run(BLOCKS[0])
+    out = run(FRONT_DOOR)
     assert out.returncode == 0, out.stderr[-3000:]
     text, reason = out.stdout.splitlines()[0].rsplit(" ", 1)         # print(text, finish_reason)
     assert reason in ("stop", "length") and text.strip(), out.stdout

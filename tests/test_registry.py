@@ -21,6 +21,15 @@ class Good(nnx.Module):
     def layer_map(self):
         return ()
 
+    def hidden_states(self, ids, positions, cache=None, *, microbatches=1):
+        return ids, cache
+
+    def logits(self, h):
+        return h
+
+    def kv_layout(self):
+        return None
+
 
 def config(hf, raw=None):
     return None
@@ -51,6 +60,20 @@ def test_missing_layer_map_and_constructor_keywords():
     with pytest.raises(ModelContractError, match=r"register\('BadForCausalLM', .*Bad'\): its constructor lacks the "
                                                  r"keyword\(s\) \['pp_size', 'dtype'\].*; it has no `layer_map`"):
         register("BadForCausalLM", Bad, config=config, weights=weights)
+
+
+def test_the_engine_side_of_the_contract():
+    class NoServing(nnx.Module):
+        def __init__(self, cfg, *, tp_size, pp_size, dtype, rngs):
+            pass
+
+        layer_map = ()
+
+        def logits(self, h):
+            return h
+    with pytest.raises(ModelContractError, match=r"it has no `hidden_states` method \(hidden_states\(ids, positions, "
+                                                 r"cache=None.*; it has no `kv_layout` method"):
+        register("NoServingForCausalLM", NoServing, config=config, weights=weights)
 
 
 def test_config_and_weights_must_be_functions():

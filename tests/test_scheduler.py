@@ -259,8 +259,13 @@ def test_finish_frees_waiting_and_running_requests():
     assert a.finish_reason == b.finish_reason == "abort"
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 16, 17])
-def test_bucket(n):
-    from tp_jax.serving.batch import bucket
-    b = bucket(n)
-    assert (b == 0) if n == 0 else (b >= n and b & (b - 1) == 0 and b < 2 * n)
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 7, 16, 17, 25, 33, 300, 513])
+def test_buckets(n):
+    from tp_jax.serving.batch import bucket, fine_bucket
+    b, f = bucket(n), fine_bucket(n)
+    if n == 0:
+        assert b == f == 0
+        return
+    assert b >= n and b & (b - 1) == 0 and b < 2 * n
+    assert n <= f <= b and 2 * f <= 3 * n + 1 and (f & (f - 1) == 0 or (f // 3) & (f // 3 - 1) == 0)
+    assert fine_bucket(n, 16) >= 16

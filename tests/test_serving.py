@@ -214,7 +214,7 @@ def test_warmup_compiles_the_listed_shapes_and_changes_nothing(path):
     k_before = np.asarray(core.runner.k)
     shapes = core.warmup()
     assert shapes == sorted(core.warmup_shapes())
-    assert [s.decode_rows for s in shapes if s.decode_rows] == [1, 2, 4, 8]
+    assert [s.decode_rows for s in shapes if s.decode_rows] == [1, 2, 3, 4, 6, 8]
     assert [(s.tokens, s.prefill_width) for s in shapes if s.prefill_rows] == [(64, 64)]
     np.testing.assert_array_equal(np.asarray(core.runner.k), k_before)        # padding writes nothing
     out = llm.generate([[1, 2, 3]], GREEDY)[0]
@@ -248,3 +248,15 @@ def test_the_jax_nn_attention_backend_gives_the_same_tokens(path, alone):
     with pytest.raises(ValueError, match=r"attention_backend='flash' is not registered; choose one of "
                                          r"\['jax_nn', 'reference'\]"):
         LLM(path, attention_backend="flash", progress=False)
+
+
+def test_the_cpu_default_pool_never_refuses_to_start_on_a_busy_host(path, monkeypatch):
+    from tp_jax.serving import kv_pool
+    monkeypatch.setattr(kv_pool, "_available_ram", lambda: 1024)               # almost nothing free
+    llm = LLM(path, max_model_len=64, max_num_seqs=8, progress=False)
+    pool = llm.engine.core.pool
+    assert pool.num_blocks == 4 * 64 // 16 and pool.tokens == 4 * 64          # four max_model_len sequences
+    monkeypatch.setenv("TP_JAX_CPU_KV_CACHE_BYTES", str(2**40))
+    monkeypatch.setattr(kv_pool, "_available_ram", lambda: 2**40)
+    roomy = LLM(path, max_model_len=64, max_num_seqs=8, progress=False).engine.core.pool
+    assert roomy.num_blocks == 8 * 64 // 16                                    # capped by what 8 sequences use

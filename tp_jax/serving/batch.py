@@ -7,8 +7,9 @@ g = replica * M + m holds only replica `replica`'s rows. Inside a group the N to
 
 (a row is one request's tokens this step). The dense layers see only these N tokens; for
 attention each prefill row's tokens are gathered into a [P, T] layout (`prefill_index`).
-The shape key (G, N, D, Wd, P, T, Wp) is bucketed to powers of two (N >= 16, T >= 16, the
-block-table widths Wd, Wp >= 8), so a short list of programs is compiled once (`StepShape`).
+The shape key (G, N, D, Wd, P, T, Wp) is bucketed, so a short list of programs is compiled
+once (`StepShape`): N (>= 16) and D, which the dense layers pay for, to 2^k or 3 * 2^k (at
+most a third padding); P, T (>= 16) and the block-table widths Wd, Wp (>= 8) to powers of two.
 
 Per group: ids, positions, slots [N] (slot = block * block_size + offset; -1 for padding),
 block tables [D, Wd] and [P, Wp], prefill_index [P, T] (N for padding), and `logits_index`
@@ -32,6 +33,16 @@ MIN_BLOCKS = 8                # short contexts share one table width (fewer comp
 def bucket(n: int, minimum: int = 1) -> int:
     """0 for 0, else the next power of two >= max(n, minimum)."""
     return 0 if n == 0 else max(minimum, 1 << (n - 1).bit_length())
+
+
+def fine_bucket(n: int, minimum: int = 1) -> int:
+    """0 for 0, else the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^k and 3 * 2^k) >= max(n, minimum):
+    at most a third of the bucket is padding: for the dims the dense layers pay for (tokens, decode rows)."""
+    if n == 0:
+        return 0
+    n = max(n, minimum)
+    p = bucket(n)
+    return p * 3 // 4 if p >= 4 and p * 3 // 4 >= n else p
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -125,8 +136,8 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
     prefills = [row for _, (_, pre) in groups for row in pre]
     shape = StepShape(
         groups=len(groups),
-        tokens=bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups), MIN_TOKENS),
-        decode_rows=bucket(max(len(dec) for _, (dec, _) in groups)),
+        tokens=fine_bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups), MIN_TOKENS),
+        decode_rows=fine_bucket(max(len(dec) for _, (dec, _) in groups)),
         decode_blocks=_blocks(decodes, block_size),
         prefill_rows=bucket(max(len(pre) for _, (_, pre) in groups)),
         prefill_width=bucket(max((r.num_tokens for r in prefills), default=0), MIN_PREFILL_WIDTH),

@@ -29,7 +29,8 @@ from jax.sharding import Mesh
 from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_host
 from tp_jax.parallel.mesh import DP, PP
 from tp_jax.serving import sampling
-from tp_jax.serving.batch import MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch
+from tp_jax.serving.batch import (MIN_BLOCKS, MIN_PREFILL_WIDTH, MIN_TOKENS, StepBatch, StepShape, bucket,
+                                  build_batch, fine_bucket)
 from tp_jax.serving.kv_pool import plan_pool
 from tp_jax.serving.plan import StepPlan
 from tp_jax.serving.request import Request
@@ -299,13 +300,11 @@ class EngineCore:
         """Decode steps of every bucketed row count up to max_num_seqs (short contexts), and one full
         prefill chunk: the shapes most steps use. Others compile on first use (`compiled_shapes`)."""
         cfg, groups = self.config, len(self.scheduler.blocks) * self.microbatches
-        shapes = []
-        d = 1
-        while d <= bucket(cfg.max_num_seqs):
-            shapes.append(StepShape(groups, max(d, MIN_TOKENS), d, MIN_BLOCKS, 0, 0, 0))
-            d *= 2
-        chunk = bucket(cfg.max_num_batched_tokens, MIN_TOKENS)
-        shapes.append(StepShape(groups, chunk, 0, 0, 1, chunk, bucket(-(-chunk // cfg.block_size), MIN_BLOCKS)))
+        rows = sorted({fine_bucket(n) for n in range(1, cfg.max_num_seqs + 1)})
+        shapes = [StepShape(groups, fine_bucket(d, MIN_TOKENS), d, MIN_BLOCKS, 0, 0, 0) for d in rows]
+        chunk = cfg.max_num_batched_tokens                       # one prompt chunk, laid out as build_batch does
+        shapes.append(StepShape(groups, fine_bucket(chunk, MIN_TOKENS), 0, 0, 1, bucket(chunk, MIN_PREFILL_WIDTH),
+                                bucket(-(-chunk // cfg.block_size), MIN_BLOCKS)))
         return shapes
 
     def warmup(self, shapes=None) -> list[StepShape]:

@@ -10,7 +10,9 @@ head plan places them (`KVLayout` from the model). Memory is budgeted, never dis
 * `kv_cache_memory_bytes`: K + V bytes per device, or else
 * the default budget: on an accelerator `gpu_memory_utilization` of each device's memory
   minus what is in use after the weights are placed; on CPU (where devices share the host's
-  RAM) min(2 GiB, a quarter of the available RAM) per process, split over its mesh devices.
+  RAM) min(2 GiB, a quarter of the available RAM) per process (`TP_JAX_CPU_KV_CACHE_BYTES`
+  sets another ceiling), split over its mesh devices, and never less than four sequences of
+  `max_model_len` tokens (a busy host must not make the engine refuse to start).
 
 The pool never holds more blocks than `max_num_seqs` sequences of `max_model_len` tokens can
 use, and must hold at least one sequence of `max_model_len` tokens.
@@ -32,6 +34,8 @@ from tp_jax.parallel.mesh import DP, PP, TP
 
 POOL_SPEC = P(PP, DP, None, TP, None)
 CPU_DEFAULT_BYTES = 2 * 2**30
+CPU_ENV = "TP_JAX_CPU_KV_CACHE_BYTES"
+CPU_FLOOR_SEQS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +76,8 @@ def default_budget_bytes(mesh: Mesh, gpu_memory_utilization: float) -> int:
     """Bytes per device the pool may take when no size is given (see the module docstring)."""
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     if local[0].platform == "cpu":
-        return min(CPU_DEFAULT_BYTES, _available_ram() // 4) // len(local)
+        ceiling = int(os.environ.get(CPU_ENV) or CPU_DEFAULT_BYTES)
+        return min(ceiling, _available_ram() // 4) // len(local)
     stats = [d.memory_stats() or {} for d in local]
     limits = [s.get("bytes_limit", 0) * gpu_memory_utilization - s.get("bytes_in_use", 0) for s in stats]
     return max(int(min(limits)), 0)
@@ -103,6 +108,8 @@ def plan_pool(layout: KVLayout, mesh: Mesh, *, block_size: int, max_model_len: i
             budget, source = int(kv_cache_memory_bytes), f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
         else:
             budget = default_budget_bytes(mesh, gpu_memory_utilization)
+            if mesh.devices.flat[0].platform == "cpu":
+                budget = max(budget, min(CPU_FLOOR_SEQS, max_num_seqs) * per_seq * per_block)
             source = f"the default budget of {budget / 2**20:.1f} MiB per device"
         num = min(budget // per_block, max_num_seqs * per_seq)
     if num < 1:

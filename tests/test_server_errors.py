@@ -1,0 +1,93 @@
+"""Every bad request gets 400 (404 for an unknown route) with OpenAI's error body and a message naming
+the problem, and never reaches the engine (its counters do not move). The tiny server of
+tests/server_process.py; the `openai` client sees them as BadRequestError with that message."""
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.server_process import metrics
+
+CHAT = [{"role": "user", "content": "Hi"}]
+TOO_LONG = list(range(100, 400))                     # 300 tokens > max_model_len 256
+
+# (name, route, JSON body or raw bytes, words the message must contain, param)
+CASES = [
+    ("unknown model", "completions", {"model": "gpt-9", "prompt": "Hi"}, ["gpt-9", "does not exist", "'tiny'"],
+     "model"),
+    ("max_tokens < 1", "completions", {"prompt": "Hi", "max_tokens": 0}, ["max_tokens", "greater than or equal to 1"],
+     "max_tokens"),
+    ("max_completion_tokens < 1", "chat/completions", {"messages": CHAT, "max_completion_tokens": 0},
+     ["max_completion_tokens", "greater than or equal to 1"], "max_completion_tokens"),
+    ("prompt longer than max_model_len", "completions", {"prompt": TOO_LONG},
+     ["300 tokens", "max_model_len=256"], "prompt"),
+    ("prompt + max_tokens over max_model_len", "completions", {"prompt": TOO_LONG[:200], "max_tokens": 100},
+     ["200 tokens", "max_tokens=100", "max_model_len=256", "at most 56"], "max_tokens"),
+    ("malformed JSON", "completions", b'{"prompt": "Hi",', ["malformed JSON"], None),
+    ("body not an object", "completions", b"[1, 2]", ["must be a JSON object"], None),
+    ("no body", "completions", b"", ["body is missing"], None),
+    ("max_tokens of the wrong type", "completions", {"prompt": "Hi", "max_tokens": "ten"},
+     ["max_tokens", "valid integer", "'ten'"], "max_tokens"),
+    ("temperature of the wrong type", "completions", {"prompt": "Hi", "temperature": "hot"},
+     ["temperature", "valid number"], "temperature"),
+    ("prompt of the wrong type", "completions", {"prompt": 123}, ["prompt must be a string", "got 123"], "prompt"),
+    ("stop of the wrong type", "completions", {"prompt": "Hi", "stop": [1]}, ["stop must be a string"], "stop"),
+    ("messages of the wrong type", "chat/completions", {"messages": "Hi"}, ["messages", "valid list"], "messages"),
+    ("messages missing", "chat/completions", {"model": "tiny"}, ["messages is required"], "messages"),
+    ("unknown role", "chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, ["role", "'robot'"],
+     "messages"),
+    ("image content", "chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     ["messages.0.content must be a string or a list of"], "messages"),
+    ("unknown field", "completions", {"prompt": "Hi", "frobnicate": 1}, ["unknown field 'frobnicate'", "remove it"],
+     "frobnicate"),
+    ("top_k of the wrong type", "completions", {"prompt": "Hi", "top_k": "many"}, ["top_k", "valid integer"], "top_k"),
+    ("logprobs over 20", "completions", {"prompt": "Hi", "logprobs": 21}, ["logprobs", "less than or equal to 20"],
+     "logprobs"),
+    ("top_p out of range", "completions", {"prompt": "Hi", "top_p": 1.5}, ["top_p", "less than or equal to 1"],
+     "top_p"),
+    ("n < 1", "completions", {"prompt": "Hi", "n": 0}, ["n:", "greater than or equal to 1"], "n"),
+    ("negative temperature", "chat/completions", {"messages": CHAT, "temperature": -1}, ["temperature"], "temperature"),
+    ("empty prompt", "completions", {"prompt": ""}, ["prompt is an empty string"], "prompt"),
+    ("token id outside the vocabulary", "completions", {"prompt": [5, 60000]}, ["outside [0, 49152)", "60000"],
+     "prompt"),
+    ("echo", "completions", {"prompt": "Hi", "echo": True}, ["echo=true is not supported"], None),
+    ("tools", "chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, ["tools are not supported"],
+     None),
+    ("top_logprobs without logprobs", "chat/completions", {"messages": CHAT, "top_logprobs": 2},
+     ["top_logprobs needs logprobs=true"], None),
+]
+
+
+@pytest.mark.parametrize("name,route,body,words,param", CASES, ids=[c[0] for c in CASES])
+def test_bad_request_gets_400_naming_the_problem(tiny_server, name, route, body, words, param):
+    before = metrics(tiny_server.url)
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else \
+        {"json": body}
+    r = httpx.post(f"{tiny_server.base}/{route}", timeout=60, **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    for w in words:
+        assert w in err["message"], err["message"]
+    after = metrics(tiny_server.url)
+    for k in ("tp_jax:engine_steps_total", "tp_jax:prompt_tokens_total", "tp_jax:generation_tokens_total"):
+        assert after[k] == before[k], f"{k}: the bad request reached the engine"
+
+
+def test_the_openai_client_sees_the_message(tiny_server):
+    client = OpenAI(base_url=tiny_server.base, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="the model `gpt-9` does not exist") as e:
+        client.completions.create(model="gpt-9", prompt="Hi")
+    assert e.value.status_code == 400 and e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError, match="max_model_len=256"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 300}])
+    with pytest.raises(openai.BadRequestError, match="unknown field 'frobnicate'"):
+        client.completions.create(model="tiny", prompt="Hi", extra_body={"frobnicate": 1})
+
+
+def test_unknown_route_is_404_in_the_same_shape(tiny_server):
+    r = httpx.get(f"{tiny_server.base}/engines", timeout=60)
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == "Not Found: GET /v1/engines"

@@ -1,0 +1,62 @@
+"""The server with the real SmolLM2-135M-Instruct (the embedded default: no MODEL argument) at tp = 2 on
+2 simulated devices (9 query / 3 KV heads: padded heads), against `LLM.chat` / `LLM.generate` in this
+process; and the README's five-line `openai` example, run as written against it."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from openai import OpenAI
+
+from tests.server_process import ROOT, ServerProcess
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+NAME = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, tmp_path_factory):
+    args = ["--tp", "2", "--simulate-devices", "2", "--max-model-len", "512", "--max-num-seqs", "8"]
+    with ServerProcess(args, str(tmp_path_factory.mktemp("smollm2_server")), name="smollm2") as srv:
+        yield srv.wait_ready()
+
+
+@pytest.fixture(scope="module")
+def ref(smollm2_path):
+    return LLM(None, tensor_parallel_size=2, max_model_len=512, max_num_seqs=8, progress=False)
+
+
+def readme_example() -> str:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text.split("## Serve it (OpenAI-compatible)", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_chat_and_completions_equal_the_engine(server, ref):
+    client = OpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=600)
+    assert [m.id for m in client.models.list().data] == [NAME]
+    exp = ref.chat(QUESTION, SamplingParams(max_tokens=24, temperature=0.0))[0].outputs[0].text
+    assert "Paris" in exp
+    whole = client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=24, temperature=0)
+    assert whole.choices[0].message.content == exp
+    stream = client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=24, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == exp
+    story = ref.generate("Once upon a time", SamplingParams(max_tokens=20, temperature=0.0))[0].outputs[0]
+    got = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=20, temperature=0)
+    assert got.choices[0].text == story.text and got.usage.completion_tokens == len(story.token_ids)
+
+
+def test_readme_client_example_runs_as_written(server, ref):
+    code = readme_example()
+    assert len(code.strip().splitlines()) == 5, "the README promises a five-line example"
+    assert 'base_url="http://127.0.0.1:8000/v1"' in code
+    code = code.replace("http://127.0.0.1:8000/v1", server.base)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    exp = ref.chat(QUESTION, SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0].text
+    assert r.stdout == exp + "\n"

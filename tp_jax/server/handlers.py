@@ -1,0 +1,256 @@
+"""Completions and chat completions on the async engine: validate, run, answer whole or as a stream.
+
+    handler = Handler(aengine, tokenizer, ["my-model"], max_model_len, metrics)
+    job = handler.completion_job(CompletionRequest(...))   # APIError (400) before anything is queued
+    body = await handler.full(job)                         # the OpenAI response dict
+    async for sse in handler.stream(job): ...              # "data: {...}\\n\\n" ... "data: [DONE]\\n\\n"
+
+A job is one engine request per prompt (each with n samples); choice `i * n + j` is sample j
+of prompt i. Every prompt is checked by the engine (`LLMEngine.check`) before any is queued.
+Leaving `stream` early (a client that disconnects) closes the engine streams, which aborts
+the requests and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from tp_jax.server.metrics import ServerMetrics
+from tp_jax.server.protocol import ChatCompletionRequest, CompletionRequest, requested_logprobs, sampling_params
+from tp_jax.server.responses import ChoiceDelta, Delta, Tokens, chat_logprobs, completion_logprobs, usage
+from tp_jax.serving.outputs import CompletionOutput, RequestOutput
+from tp_jax.serving.sampling import SamplingParams
+
+log = logging.getLogger("tp_jax.server")
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class Job:
+    chat: bool
+    id: str
+    created: int
+    model: str
+    prompts: list[list[int]]                      # token ids per prompt
+    params: SamplingParams
+    request: CompletionRequest | ChatCompletionRequest
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+
+class Handler:
+    def __init__(self, aengine, tokenizer, model_names: list[str], max_model_len: int, metrics: ServerMetrics):
+        self.aengine, self.tokenizer, self.names = aengine, tokenizer, list(model_names)
+        self.max_model_len, self.metrics = max_model_len, metrics
+        self.tokens = Tokens(tokenizer)
+        self.active: set[str] = set()                # engine request ids in flight
+
+    async def abort_all(self) -> int:
+        """End every request in flight now (each answers with finish_reason "abort"); how many."""
+        ids = list(self.active)
+        for rid in ids:
+            await self.aengine.abort(rid)
+        return len(ids)
+
+    # --- turning a request into checked engine inputs ----------------------------------------------
+    def completion_job(self, req: CompletionRequest) -> Job:
+        texts = req.prompts()
+        prompts = [self._encode(p, "prompt" if len(texts) == 1 else f"prompt {i}") for i, p in enumerate(texts)]
+        return self._job(False, "cmpl", req, prompts, req.max_tokens)
+
+    def chat_job(self, req: ChatCompletionRequest) -> Job:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with token "
+                                "ids", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(req.conversation(), tokenize=False,
+                                                      add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:                         # the template's own complaint (jinja, missing template)
+            raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._job(True, "chatcmpl", req, [ids], req.token_limit)
+
+    def _encode(self, prompt: str | list[int], where: str) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if not prompt:
+            raise APIError(400, f"{where} is an empty string; give some text or token ids", param="prompt")
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer files: send the prompt as token ids", param="prompt")
+        return list(self.tokenizer.encode(prompt))
+
+    def _job(self, chat: bool, prefix: str, req, prompts: list[list[int]], max_tokens: int | None) -> Job:
+        if req.model is not None and req.model not in self.names:
+            raise APIError(400, f"the model `{req.model}` does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.names)} (GET /v1/models)", param="model",
+                           code="model_not_found")
+        try:
+            params = sampling_params(req, max_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e).removeprefix("SamplingParams: ")) from None
+        field = "messages" if chat else "prompt"
+        for i, ids in enumerate(prompts):
+            where = field if len(prompts) == 1 else f"{field} {i}"
+            try:
+                self.aengine.engine.check(ids, params, where)
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e), param=field) from None
+            if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
+                name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+                raise APIError(400, f"{where} has {len(ids)} tokens and {name}={max_tokens} asks for more: "
+                                    f"{len(ids) + max_tokens} exceeds max_model_len={self.max_model_len}; lower "
+                                    f"{name} to at most {self.max_model_len - len(ids)} or shorten the {field}",
+                               param=name, code="context_length_exceeded")
+        model = req.model if req.model is not None else self.names[0]
+        return Job(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, prompts, params, req)
+
+    # --- running it ----------------------------------------------------------------------------------
+    async def _run(self, job: Job, stream: bool) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative RequestOutput) as the engine makes progress, all prompts merged."""
+        ids = [job.id if len(job.prompts) == 1 else f"{job.id}-{i}" for i in range(len(job.prompts))]
+        timers = [self.metrics.timer(rid, len(p)) for rid, p in zip(ids, job.prompts)]
+        gens = [self.aengine.generate({"prompt_token_ids": p}, job.params, request_id=rid, stream=stream)
+                for rid, p in zip(ids, job.prompts)]
+        self.active.update(ids)
+        try:
+            async for i, out in merge(gens):
+                timers[i].observe(out)
+                yield i, out
+        except (GeneratorExit, asyncio.CancelledError):
+            for t in timers:
+                t.abort("cancelled: the client disconnected")
+            raise
+        except BaseException as e:
+            for t in timers:
+                t.abort(f"error: {e}")
+            raise
+        finally:
+            self.active.difference_update(ids)
+
+    async def full(self, job: Job) -> dict:
+        final: dict[int, RequestOutput] = {}
+        async for i, out in self._run(job, stream=False):
+            final[i] = out
+        n = job.params.n
+        choices = [self._choice(job, i * n + c.index, c) for i in sorted(final) for c in final[i].outputs]
+        body = {"id": job.id, "object": job.object, "created": job.created, "model": job.model, "choices": choices,
+                "usage": self._usage(job, final.values())}
+        return body
+
+    def _choice(self, job: Job, index: int, c: CompletionOutput) -> dict:
+        lp = self._logprobs(job, Delta(c.token_ids, c.logprobs, c.text, None, None, 0))
+        if job.chat:
+            return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def _logprobs(self, job: Job, d: Delta) -> dict | None:
+        n = requested_logprobs(job.request)
+        if n is None or d.logprobs is None:
+            return None
+        if job.chat:
+            return chat_logprobs(d.token_ids, d.logprobs, n, self.tokens)
+        return completion_logprobs(d.token_ids, d.logprobs, n, self.tokens, d.text_offset)
+
+    @staticmethod
+    def _usage(job: Job, outs) -> dict:
+        return usage(sum(len(p) for p in job.prompts), sum(len(c.token_ids) for o in outs for c in o.outputs))
+
+    async def stream(self, job: Job) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per new token(s) of each choice, usage if asked, then [DONE]."""
+        n, include_usage = job.params.n, job.request.include_usage
+        deltas = [ChoiceDelta(job.params.stop) for _ in range(len(job.prompts) * n)]
+        extra = {"usage": None} if include_usage else {}
+        chunk = lambda choices: sse({"id": job.id, "object": f"{job.object}.chunk" if job.chat else job.object,
+                                     "created": job.created, "model": job.model, "choices": choices, **extra})
+        if job.chat:
+            yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for k in range(len(deltas))])
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in self._run(job, stream=True):
+                last[i] = out
+                choices = []
+                for c in out.outputs:
+                    d = deltas[i * n + c.index].update(c)
+                    if d is not None:
+                        choices.append(self._chunk_choice(job, i * n + c.index, d))
+                if choices:
+                    yield chunk(choices)
+        except Exception as e:                         # the engine failed mid-stream: say so, then end it
+            log.exception("request %s failed", job.id)
+            yield sse(APIError(500, f"the request failed: {e}", type="internal_server_error").body())
+        if include_usage:
+            yield sse({"id": job.id, "object": f"{job.object}.chunk" if job.chat else job.object,
+                       "created": job.created, "model": job.model, "choices": [],
+                       "usage": self._usage(job, last.values())})
+        yield "data: [DONE]\n\n"
+
+    def _chunk_choice(self, job: Job, index: int, d: Delta) -> dict:
+        common = {"index": index, "logprobs": self._logprobs(job, d), "finish_reason": d.finish_reason}
+        if d.finish_reason is not None:
+            common["stop_reason"] = d.stop_reason
+        if job.chat:
+            return {**common, "delta": {"content": d.text} if d.text or d.finish_reason is None else {}}
+        return {**common, "text": d.text}
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def merge(gens: list) -> AsyncIterator[tuple[int, object]]:
+    """Items of several async generators as they come, tagged with the generator's index.
+
+    Closing the merged generator cancels the pumps, which closes every source generator."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async for item in gen:
+                await queue.put((i, item))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, end))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -169,14 +169,30 @@ class GGUFTensor:
         index = index if isinstance(index, tuple) else (index,)
         first = index[0] if index else Ellipsis
         all_rows = first is Ellipsis or first is None or (isinstance(first, slice) and first == slice(None))
+        cols = self._block_columns(index[1]) if self.ndim == 2 and len(index) == 2 and first is not None else None
+        if cols is not None:                       # a run of whole blocks (a row-parallel rank's input columns)
+            rows = None if all_rows else np.arange(self.shape[0])[first]
+            block = self.read_rows(None if rows is None else rows.reshape(-1), cols)
+            return block if rows is None else block.reshape(rows.shape + block.shape[1:])
         if self.ndim == 1 or all_rows:
             return self._source._full(self)[index]
         rows = np.arange(self.shape[0])[first]
         block = self.read_rows(rows.reshape(-1)).reshape(rows.shape + self.shape[1:])
         return block[(slice(None),) * rows.ndim + index[1:]]
 
-    def read_rows(self, rows: np.ndarray | None) -> np.ndarray:
-        """Rows `rows` (all when None) of the HF-layout tensor, dequantized."""
+    def _block_columns(self, index) -> slice | None:
+        """`index` as a slice of whole quant blocks of a quantized tensor's columns, else None."""
+        if self._info.tensor_type in FLOAT_TYPES or not isinstance(index, slice) or index.step not in (None, 1):
+            return None
+        start, stop, _ = index.indices(self.shape[1])
+        block = gguf.GGML_QUANT_SIZES[self._info.tensor_type][0]
+        if (start, stop) == (0, self.shape[1]) or start % block or stop % block or stop <= start:
+            return None
+        return slice(start, stop)
+
+    def read_rows(self, rows: np.ndarray | None, cols: slice | None = None) -> np.ndarray:
+        """Rows `rows` (all when None) of the HF-layout tensor, dequantized; `cols`: only those columns,
+        a run of whole quant blocks (only those blocks are read and dequantized)."""
         data = self._info.data
         src = rows if self._perm is None else (self._perm if rows is None else self._perm[rows])
         raw = data if src is None else data[src]
@@ -185,6 +201,9 @@ class GGUFTensor:
             return np.ascontiguousarray(raw).view(ml_dtypes.bfloat16)
         if qtype in FLOAT_TYPES:
             return np.asarray(raw)
+        if cols is not None:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            raw = raw[:, cols.start // block * size:cols.stop // block * size]
         return gguf.quants.dequantize(np.asarray(raw), qtype)
 
     @property

@@ -2,11 +2,12 @@
 
     plan_methods(model, table, source, num_layers, quantization) -> {module path: LinearMethod}
 
-`quantization`: None (every weight float, as stored or dequantized), a registered name
+`quantization`: None or "none" (every weight float, as stored or dequantized), a registered name
 ("int8", "gguf"; `tp_jax.parallel.layers.quantization`), or "auto": "gguf" when the
-checkpoint is a GGUF file whose linear or vocab weights are quantized, else None. "auto"
-falls back to float, with a warning naming the tensor, when the file holds a type that is
-not kept quantized (K-quants, Q5_*); naming "gguf" explicitly makes that an error.
+checkpoint is a GGUF file whose linear or vocab weights are quantized, else None. Under
+"auto" a layer that cannot be kept quantized (a type not kept: K-quants, Q5_*; a tp that
+cuts its 32-element blocks) loads dequantized to float, with one warning naming those
+layers; naming "gguf" explicitly makes each of them an error.
 
 Every problem is found here, from headers only, and reported at once with the param
 paths: an unknown name, a GGUF type not kept, mixed types within one param, a method that
@@ -23,20 +24,18 @@ from flax import nnx
 from tp_jax.loaders.bind import Binding, as_table, bind
 from tp_jax.parallel.layers import Entry, MethodLayer, WeightTable
 from tp_jax.parallel.layers.method import LinearMethod, QuantizationError, Unquantized
-from tp_jax.parallel.layers.quantization import FLOAT_TYPES, quantization_config
-
-AUTO = "auto"
+from tp_jax.parallel.layers.quantization import AUTO, FLOAT_TYPES, NONE, quantization_config
 
 
 def plan_methods(model: nnx.Module, table: WeightTable | Sequence[Entry], source, num_layers: int,
                  quantization: str | None) -> dict[str, LinearMethod]:
     """{dotted module path: method} for the layers `quantization` quantizes (empty: all float)."""
-    if quantization is None:
+    if quantization is None or quantization == NONE:
         return {}
     weights = _weight_bindings(model, table)
     if quantization == AUTO:
         return _auto(weights, source, num_layers)
-    return _plan(quantization, weights, source, num_layers)
+    return _strict(quantization, weights, source, num_layers)
 
 
 def _weight_bindings(model, table) -> list[Binding]:
@@ -55,7 +54,8 @@ def _tensors(b: Binding, source, num_layers: int) -> dict:
     return out
 
 
-def _plan(name: str, weights: list[Binding], source, num_layers: int) -> dict[str, LinearMethod]:
+def _plan(name: str, weights: list[Binding], source, num_layers: int) -> tuple[dict[str, LinearMethod], list[str]]:
+    """({module path: method}, problems): each problem names a param the configuration cannot hold, and why."""
     config = quantization_config(name)
     plan, problems = {}, []
     for b in weights:
@@ -67,24 +67,39 @@ def _plan(name: str, weights: list[Binding], source, num_layers: int) -> dict[st
                 plan[module_path] = method
         except QuantizationError as e:
             problems.append(f"{b.path}: {e}")
+    return plan, problems
+
+
+def _strict(name: str, weights: list[Binding], source, num_layers: int) -> dict[str, LinearMethod]:
+    """A named quantization: every problem is an error, all of them listed in one message."""
+    plan, problems = _plan(name, weights, source, num_layers)
     if problems:
-        more = f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else ""
-        raise QuantizationError(f"quantization={name!r} cannot load this checkpoint ({len(problems)} problem"
-                                f"{'s' * (len(problems) > 1)}):\n  " + "\n  ".join(problems[:5]) + more)
+        raise QuantizationError(f"quantization={name!r} cannot load this checkpoint ({_count(problems)}):"
+                                f"{_listing(problems)}")
     return plan
 
 
 def _auto(weights: list[Binding], source, num_layers: int) -> dict[str, LinearMethod]:
-    """"gguf" for a GGUF file with quantized weights (float with a warning if it cannot be kept), else {}."""
+    """"gguf" for a GGUF file with quantized weights, else {}: a layer it cannot keep loads dequantized to
+    float, with one warning naming those layers and why."""
     quantized = any(getattr(t, "quant_type", None) not in (None, *FLOAT_TYPES)
                     for b in weights for t in _tensors(b, source, num_layers).values())
     if not quantized:
         return {}
-    try:
-        return _plan("gguf", weights, source, num_layers)
-    except QuantizationError as e:
-        warnings.warn(f"loading the GGUF weights dequantized to float: {e}", stacklevel=3)
-        return {}
+    plan, problems = _plan("gguf", weights, source, num_layers)
+    if problems:
+        warnings.warn(f"quantization='auto': {_count(problems)} loaded dequantized to float instead of kept "
+                      f"quantized:{_listing(problems)}", stacklevel=3)
+    return plan
+
+
+def _count(problems: list[str]) -> str:
+    return f"{len(problems)} param{'s' * (len(problems) > 1)}"
+
+
+def _listing(problems: list[str], shown: int = 5) -> str:
+    more = f"\n  ... and {len(problems) - shown} more" if len(problems) > shown else ""
+    return "\n  " + "\n  ".join(problems[:shown]) + more
 
 
 def describe_methods(model: nnx.Module) -> str:

@@ -58,8 +58,8 @@ def _dtype(name: str, value: Any) -> None:
 
 
 def _quantization(name: str, value: Any) -> None:
-    from tp_jax.parallel.layers.quantization import QUANTIZATIONS
-    choices = ["auto", *sorted(QUANTIZATIONS)]
+    from tp_jax.parallel.layers.quantization import quantization_choices
+    choices = quantization_choices()
     if value is not None and not isinstance(value, str):
         raise TypeError(f"LLM: {name}={value!r} must be one of {choices} or None, got {type(value).__name__}")
     if value is not None and value not in choices:

@@ -64,7 +64,7 @@ class LLM:
     jax.nn.dot_product_attention, cuDNN on GPUs); quantization ("auto": a GGUF file's Q8_0 /
     Q4_0 / Q4_1 weights stay quantized, other checkpoints load as stored; "int8": weight-only
     int8 per output channel, quantized per device at load; "gguf": keep GGUF blocks, an error
-    if a type cannot be kept; None: every weight in float; see docs/quantization.md).
+    if a type cannot be kept; None or "none": every weight in float; see docs/quantization.md).
     `.quantization` says how the loaded weights are held.
     """
 

@@ -1,6 +1,7 @@
 """Named quantizations (vLLM's `QuantizationConfig`): which `LinearMethod` each layer of a model gets.
 
     quantization_config("int8" | "gguf") -> a config; QuantizationError listing the names
+    quantization_choices()               -> what `LLM(quantization=...)` and `--quantization` accept
     config.method_for(layer, tensors)    -> the layer's method, or None (the layer stays float)
     apply_methods(model, plan)           -> swap methods on a built (abstract) model by module path
     register_quantization(name, cls)     -> add a named configuration
@@ -24,6 +25,7 @@ from tp_jax.parallel.layers.loading import LazyTensor
 from tp_jax.parallel.layers.method import LinearMethod, QuantizationError
 
 FLOAT_TYPES = ("F32", "F16", "BF16")          # GGUF tensor types that load as float
+AUTO, NONE = "auto", "none"                   # the names that are no configuration: pick by checkpoint; float
 
 
 class QuantizationConfig:
@@ -78,16 +80,24 @@ QUANTIZATIONS: dict[str, type[QuantizationConfig]] = {"int8": Int8Config, "gguf"
 
 def register_quantization(name: str, config: type[QuantizationConfig]) -> None:
     """Make `LLM(..., quantization=name)` use `config` (a QuantizationConfig subclass)."""
+    if name in (AUTO, NONE):
+        raise ValueError(f"register_quantization: {name!r} is reserved ('auto': picked by the checkpoint, "
+                         f"'none': float); choose another name")
     if not (isinstance(config, type) and issubclass(config, QuantizationConfig)):
         raise TypeError(f"register_quantization({name!r}, ...): expected a QuantizationConfig subclass, got {config!r}")
     QUANTIZATIONS[name] = config
 
 
+def quantization_choices() -> list[str]:
+    """"auto", "none" and every registered name, as `LLM(quantization=...)` and `--quantization` accept them."""
+    return [AUTO, NONE, *sorted(QUANTIZATIONS)]
+
+
 def quantization_config(name: str) -> QuantizationConfig:
     """The configuration registered as `name`, or QuantizationError naming the choices."""
     if name not in QUANTIZATIONS:
-        raise QuantizationError(f"unknown quantization method {name!r}; choose one of {sorted(QUANTIZATIONS)}, "
-                                f"'auto' or None")
+        raise QuantizationError(f"unknown quantization method {name!r}; choose one of {quantization_choices()} "
+                                f"(or None: every weight in float)")
     return QUANTIZATIONS[name]()
 
 

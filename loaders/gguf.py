@@ -446,10 +446,13 @@ def load_gguf_tokenizer(path: str | os.PathLike):
 
     Special tokens and the chat template come from the file's metadata
     (`tokenizer.ggml.*_token_id`, `tokenizer.chat_template`), not from transformers'
-    guesses, so e.g. SmolLM2's end of turn is `<|im_end|>`.
+    guesses, so e.g. SmolLM2's end of turn is `<|im_end|>`. None when the file stores no
+    tokenizer (no `tokenizer.ggml.model`), as for a directory without tokenizer files.
     """
     from transformers import AutoTokenizer
     source = GGUFSource(path)
+    if "tokenizer.ggml.model" not in source.metadata:
+        return None
     p = Path(path)
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     meta = source.metadata

@@ -19,8 +19,7 @@ import numpy as np
 from flax import nnx
 
 from tp_jax.parallel.layers.loading import LazyTensor, ShardedParam
-from tp_jax.parallel.layers.method import (LINEAR, UNQUANTIZED, DerivedParam, LinearMethod, Unquantized, WeightParam,
-                                         local_matmul)  # noqa: F401  (local_matmul: re-exported)
+from tp_jax.parallel.layers.method import LINEAR, UNQUANTIZED, DerivedParam, LinearMethod, Unquantized, WeightParam
 
 Spec = tuple[str | None, ...]
 

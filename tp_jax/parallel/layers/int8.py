@@ -18,10 +18,9 @@ at a time (`tiled_matmul`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -44,10 +43,10 @@ class Int8(LinearMethod):
     def params(self, weight, name, shape, dtype):
         out, inp = out_in(weight, shape)
         values = DerivedParam(weight.parts, weight.split, False, reads=name, dim=weight.split, param_ndim=2,
-                              make=lambda r, t, n: quantize_block(weight, r, t, n)[0])
+                              make=lambda r, t, n: per_channel_block(weight, r, t, n, int8_rows, "values"))
         scale = DerivedParam(weight.parts, weight.split, False, reads=name,
                              dim=0 if weight.split == 0 else None, param_ndim=1,
-                             make=lambda r, t, n: quantize_block(weight, r, t, n, values=False)[1])
+                             make=lambda r, t, n: per_channel_block(weight, r, t, n, int8_rows, "scale"))
         return {"": WeightParam(values, (out, inp), np.dtype(np.int8)),
                 "_scale": WeightParam(scale, (out,), np.dtype(np.float32))}
 
@@ -61,15 +60,17 @@ class Int8(LinearMethod):
         return rows * jnp.take(layer.weight("_scale"), ids, axis=0)[..., None].astype(dt)
 
 
-def quantize_block(weight: ShardedParam, rank: int, tensors: Mapping[str, LazyTensor], names: Mapping[str, str],
-                   values: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
-    """Rank `rank`'s (Q [out_local, in_local], s [out_local]) for the weight `weight` declares.
+def per_channel_block(weight: ShardedParam, rank: int, tensors: Mapping[str, LazyTensor], names: Mapping[str, str],
+                      quantize_rows: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], want: str) -> np.ndarray:
+    """Rank `rank`'s block of a per-output-channel quantization of the weight `weight` declares:
+    `want="values"` [out_local, in_local] or `want="scale"` [out_local].
 
-    Each part's output rows of this rank are read whole (every input column), in chunks:
-    the scale sees the full row, then the rank's input columns (a row split) are kept.
-    `values=False` computes the scales only.
+    `quantize_rows(rows)`: float32 `[c, in]` whole rows -> (values `[c, in]`, scales `[c]`).
+    Each part's output rows of this rank are read whole (every input column) in chunks of
+    about `CHUNK_BYTES`, so a scale always sees its full row and no float copy of a whole
+    tensor exists; a row split then keeps the rank's input columns of the values.
     """
-    qs, ss = [], []
+    out = []
     for part, spec in weight.parts.items():
         t = tensors[part]
         check_shape(names.get(part, part), tuple(t.shape), spec.hf_shape)
@@ -77,24 +78,17 @@ def quantize_block(weight: ShardedParam, rank: int, tensors: Mapping[str, LazyTe
         cols = spec.rows[rank] if weight.split == 1 else None
         per_chunk = max(1, CHUNK_BYTES // (4 * spec.hf_shape[1]))
         for start in range(0, len(out_rows), per_chunk):
-            q, s = _quantize_rows(t, out_rows[start:start + per_chunk], cols, values)
-            qs.append(q)
-            ss.append(s)
-    scale = np.concatenate(ss)
-    if not values:
-        return None, scale
-    return np.concatenate(qs, axis=0), scale
+            slab = np.asarray(take_rows(t, out_rows[start:start + per_chunk], 0), np.float32)  # zeros: padding
+            values, scale = quantize_rows(slab)
+            out.append(scale if want == "scale" else values if cols is None else take_rows(values, cols, 1))
+    return np.concatenate(out, axis=0)
 
 
-def _quantize_rows(t: LazyTensor, rows: np.ndarray, cols: np.ndarray | None, values: bool):
-    slab = np.asarray(take_rows(t, rows, 0), np.float32)  # [c, in]: whole rows (zeros for padding rows)
+def int8_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [c, in] -> (Q int8 [c, in], s float32 [c]): s = max|row| / 127, Q = round(row / s)."""
     with np.errstate(invalid="ignore"):
-        scale = np.abs(slab).max(axis=1) / np.float32(QMAX)   # NaN stays NaN: the loader's finite check names it
-    if not values:
-        return None, scale
-    if cols is not None:
-        slab = take_rows(slab, cols, 1)
+        scale = np.abs(rows).max(axis=1) / np.float32(QMAX)   # NaN stays NaN: the loader's finite check names it
     ok = (scale > 0) & np.isfinite(scale)
     with np.errstate(invalid="ignore", divide="ignore"):
-        q = np.where(ok[:, None], np.rint(slab / np.where(ok, scale, 1)[:, None]), 0)
+        q = np.where(ok[:, None], np.rint(rows / np.where(ok, scale, 1)[:, None]), 0)
     return np.clip(q, -QMAX, QMAX).astype(np.int8), scale

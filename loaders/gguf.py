@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from tp_jax.loaders.dtypes import BY_NAME
+from tp_jax.parallel.layers.ggml import KEPT, dequantize_raw
 
 QT = gguf.GGMLQuantizationType
 FLOAT_TYPES = {QT.F32: BY_NAME["float32"].numpy, QT.F16: BY_NAME["float16"].numpy,
@@ -204,6 +205,8 @@ class GGUFTensor:
         if cols is not None:
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             raw = raw[:, cols.start // block * size:cols.stop // block * size]
+        if qtype.name in KEPT and raw.ndim == 2:            # Q8_0 / Q4_0 / Q4_1: all rows in one numpy pass
+            return dequantize_raw(raw, qtype.name)
         return gguf.quants.dequantize(np.asarray(raw), qtype)
 
     @property

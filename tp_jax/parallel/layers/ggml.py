@@ -122,17 +122,7 @@ class GGUFBlocks(LinearMethod):
 
     def dequantize(self, values, scale, minimum=None):
         """float32 [..., in] from a block's params (leading dims free: a local table or looked-up rows)."""
-        fmt = self.format
-        v = values.reshape(*scale.shape, fmt.values_per_block)              # [..., nb, bytes]
-        if fmt.nibbles:
-            q = jnp.concatenate([v & 0x0F, v >> 4], axis=-1).astype(jnp.float32)   # [..., nb, 32]
-            q = q - 8 if self.qtype == "Q4_0" else q
-        else:
-            q = v.astype(jnp.float32)
-        w = q * scale[..., None].astype(jnp.float32)
-        if minimum is not None:
-            w = w + minimum[..., None].astype(jnp.float32)
-        return w.reshape(*scale.shape[:-1], -1)
+        return blocks_to_float(jnp, self.qtype, values, scale, minimum)
 
     def _arrays(self, layer):
         return [layer.weight(s) for s in self.suffixes]
@@ -143,6 +133,33 @@ class GGUFBlocks(LinearMethod):
     def embed(self, layer, ids):
         rows = [jnp.take(a, ids, axis=0) for a in self._arrays(layer)]
         return self.dequantize(*rows).astype(layer.param_dtype)
+
+
+def blocks_to_float(xp, qtype: str, values, scale, minimum=None):
+    """float32 [..., nb * 32] from the fields of blocks of `qtype`, in numpy or jax.numpy (`xp`).
+
+    The same operations in the same order as the `gguf` package's dequantizer, so the
+    results are bit for bit its own.
+    """
+    fmt = FORMATS[qtype]
+    v = values.reshape(*scale.shape, fmt.values_per_block)                  # [..., nb, bytes]
+    if fmt.nibbles:
+        q = xp.concatenate([v & 0x0F, v >> 4], axis=-1).astype(xp.float32)  # [..., nb, 32]
+        q = q - 8 if qtype == "Q4_0" else q
+    else:
+        q = v.astype(xp.float32)
+    w = q * scale[..., None].astype(xp.float32)
+    if minimum is not None:
+        w = w + minimum[..., None].astype(xp.float32)
+    return w.reshape(*scale.shape[:-1], -1)
+
+
+def dequantize_raw(raw: np.ndarray, qtype: str) -> np.ndarray:
+    """numpy, vectorized over every row at once: [rows, nb * bytes] uint8 blocks of a kept type -> float32
+    [rows, nb * 32] (the loader's float path; `gguf.quants.dequantize` loops over small groups of rows)."""
+    rows = raw.shape[0]
+    fields = split_fields(np.asarray(raw).reshape(rows, -1, type_size(qtype)), FORMATS[qtype])
+    return blocks_to_float(np, qtype, *(fields[s] for s in ("", *(f for f, _ in FORMATS[qtype].fields))))
 
 
 def block_rows(rows: np.ndarray) -> np.ndarray | None:

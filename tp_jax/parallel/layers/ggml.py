@@ -151,14 +151,14 @@ def blocks_to_float(xp, qtype: str, values, scale, minimum=None):
     w = q * scale[..., None].astype(xp.float32)
     if minimum is not None:
         w = w + minimum[..., None].astype(xp.float32)
-    return w.reshape(*scale.shape[:-1], -1)
+    return w.reshape(*scale.shape[:-1], scale.shape[-1] * BLOCK)
 
 
 def dequantize_raw(raw: np.ndarray, qtype: str) -> np.ndarray:
     """numpy, vectorized over every row at once: [rows, nb * bytes] uint8 blocks of a kept type -> float32
     [rows, nb * 32] (the loader's float path; `gguf.quants.dequantize` loops over small groups of rows)."""
-    rows = raw.shape[0]
-    fields = split_fields(np.asarray(raw).reshape(rows, -1, type_size(qtype)), FORMATS[qtype])
+    raw, size = np.asarray(raw), type_size(qtype)
+    fields = split_fields(raw.reshape(raw.shape[0], raw.shape[1] // size, size), FORMATS[qtype])
     return blocks_to_float(np, qtype, *(fields[s] for s in ("", *(f for f, _ in FORMATS[qtype].fields))))
 
 
@@ -202,7 +202,7 @@ def split_fields(raw: np.ndarray, fmt: BlockFormat) -> dict[str, np.ndarray]:
     """[rows, nb, bytes] uint8 blocks -> {"": values [rows, nb*per_block], "_scale"/"_min": f16 [rows, nb]}."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     rows, nb = raw.shape[:2]
-    out = {"": raw[..., fmt.values_at:].copy().view(fmt.values_dtype).reshape(rows, -1)}
+    out = {"": raw[..., fmt.values_at:].copy().view(fmt.values_dtype).reshape(rows, nb * fmt.values_per_block)}
     for suffix, at in fmt.fields:
         out[suffix] = raw[..., at:at + 2].copy().view(np.float16).reshape(rows, nb)
     return out

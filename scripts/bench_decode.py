@@ -1,7 +1,7 @@
 """Decode throughput of tp_jax vs transformers on SmolLM2 (greedy, same weights, same prompt), one JSON line.
 
     python scripts/bench_decode.py [--batch 1 8] [--tokens 64] [--dp 1 --pp 1 --tp 1] [--simulate-devices N]
-                                   [--quantization none int8 gguf]
+                                   [--quantization none int8 auto] [--layers scan unrolled]
 
 Decode time is T(N tokens) - T(1 token), for both engines, so prefill and compile are out.
 Roofline: bytes of weights read per decode step / the machine's measured read bandwidth.
@@ -9,9 +9,10 @@ Roofline: bytes of weights read per decode step / the machine's measured read ba
 engine's batch, its paged pool), so `step_over_forward` is the engine's own overhead
 (scheduling, batch building, transfers, sampling). With --pp > 1 each batch row also reports
 the GPipe bubble (idle stage-steps / total) for the engine's micro-batch count.
-`--quantization` takes one or more of auto / none / int8 / gguf: each is loaded in turn and
-measured in the same run, side by side ("results": one entry each, with the bytes of
-weights per device and the greedy tokens' agreement with the first entry).
+Every combination of `--quantization` (auto / none / int8 / gguf) and `--layers` (the scanned
+layer stack, `LLM(unroll_layers=True)`) is loaded in turn and measured in the same run, side
+by side ("results": one entry each, with the bytes of weights per device and the greedy
+tokens' agreement with the first entry).
 """
 
 import argparse
@@ -31,6 +32,8 @@ def parse_args():
     ap.add_argument("--num-microbatches", type=int, default=None, help="default: pp")
     ap.add_argument("--simulate-devices", type=int, default=0)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--layers", nargs="+", default=["scan", "unrolled"], choices=["scan", "unrolled"],
+                    help="LLM(unroll_layers=False / True), each measured in this run (default both)")
     ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("--quantization", nargs="+", default=["auto"], help="auto, none, int8, gguf (several: side "
                     "by side in one run)")
@@ -96,8 +99,8 @@ def theirs(model, ids, batch, n):
     return (t_n - t_1) / (n - 1), tokens
 
 
-def measure(args, quantization: str, bandwidth: float, hf, first_tokens: dict) -> dict:
-    """One quantization's rows: load, then every batch size (the LLM is dropped before the next load)."""
+def measure(args, quantization: str, layers: str, bandwidth: float, hf, first_tokens: dict) -> dict:
+    """One load's rows: every batch size (the LLM is dropped before the next load)."""
     import jax
     from flax import nnx
     from tp_jax import LLM
@@ -105,15 +108,18 @@ def measure(args, quantization: str, bandwidth: float, hf, first_tokens: dict) -
     from tp_jax.parallel.pipeline import bubble_fraction
     llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp,
               pipeline_parallel_size=args.pp, num_microbatches=args.num_microbatches, progress=False,
-              quantization=None if quantization == "none" else quantization)
+              quantization=quantization, unroll_layers=layers == "unrolled")
     ids = llm.get_tokenizer().encode(args.prompt)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model, nnx.Param)))
-    out = {"quantization": quantization, "weights": llm.quantization, "dtype": jax.numpy.dtype(llm.dtype).name,
+    out = {"quantization": quantization, "weights": llm.quantization, "layers": layers,
+           "dtype": jax.numpy.dtype(llm.dtype).name,
            "weight_bytes": weight_bytes,
            "weight_bytes_per_device": param_bytes_per_device(llm.model, llm.mesh)}
     roofline_step = weight_bytes / (bandwidth * 1e9)
+    steps = {}
     for b in args.batch:
         step, toks = ours(llm, ids, b, args.tokens)
+        steps[b] = step
         fwd = bare_forward(llm, ids, b, args.tokens)
         mb = llm.engine.core.microbatches
         row = {"tp_jax_tokens_per_s": round(b / step, 2), "tp_jax_step_ms": round(step * 1e3, 2),
@@ -126,6 +132,9 @@ def measure(args, quantization: str, bandwidth: float, hf, first_tokens: dict) -
             hf_step, hf_toks = hf[b]
             row.update({"speedup_over_transformers": round(hf_step / step, 2), "same_tokens": toks == hf_toks})
         out[f"batch{b}"] = row
+    lo, hi = min(args.batch), max(args.batch)
+    if lo != hi:
+        out[f"step_batch{hi}_over_batch{lo}"] = round(steps[hi] / steps[lo], 2)
     return out
 
 
@@ -151,7 +160,8 @@ def main():
                                   for b, (s, _) in hf.items()}
         del model
     first_tokens: dict = {}
-    result["results"] = [measure(args, q, bandwidth, hf, first_tokens) for q in args.quantization]
+    result["results"] = [measure(args, q, layers, bandwidth, hf, first_tokens)
+                         for q in args.quantization for layers in args.layers]
     print(json.dumps(result))
 
 

@@ -3,6 +3,7 @@
 import re
 
 import jax
+from flax import nnx
 import numpy as np
 import pytest
 
@@ -11,6 +12,7 @@ from tests.tiny_models import hf_greedy, hf_logits, make_checkpoint
 from tests.workload import mixed_workload, run_workload
 from tp_jax.serving.llm import LLM
 from tp_jax.parallel.pipeline import bubble_fraction, choose_microbatches, stage_layer_map
+from tp_jax.serving.batch import StepBatch
 from tp_jax.serving.sampling import SamplingParams
 
 MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2),
@@ -95,6 +97,42 @@ def test_hlo_pp_handoff_is_neighbour_collective_permute(deep):
         assert {src // tp for src, _ in pairs} == set(range(pp - 1))
         for body in loop_bodies(hlo):                 # each scanned layer loop: 2 tp all-reduces
             assert count(body, "all-reduce") == 2
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (2, 2, 2)], ids=lambda v: str(v))
+def test_unrolled_layers_match(deep, workload_refs, dp, pp, tp):
+    """LLM(unroll_layers=True): one array per local layer, no layer loop, no per-layer weight copy;
+    the same numbers as the scanned stack and transformers, same workload tokens."""
+    path, ids, ref, greedy = deep
+    kw = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, progress=False)
+    scanned, llm = LLM(path, **kw), LLM(path, unroll_layers=True, **kw)
+    logits = llm.get_logits(ids)
+    assert float(np.abs(logits - scanned.get_logits(ids)).max()) <= 1e-6
+    assert float(np.abs(logits - ref).max()) <= 1e-4
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
+    work, hf, alone = workload_refs
+    assert run_workload(llm.engine, work) == alone
+    hlo, scanned_hlo = step_hlo(llm), step_hlo(scanned)
+    layers_per_stage = len(llm.model.layer_map) // pp
+    assert loop_bodies(hlo) == []
+    stacked = {(1, *x.addressable_shards[0].data.shape[1:])          # a scanned layer's weight-matrix slice
+               for x in jax.tree.leaves(nnx.state(scanned.model.model.layers, nnx.Param)) if x.ndim == 3}
+    sliced = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"f32\[([\d,]+)\][^ ]* dynamic-slice\(", hlo)}
+    assert not stacked & sliced                      # weights are read in place, never copied out per layer
+    bodies = loop_bodies(scanned_hlo)                # one layer scan per pipeline step, 2 tp all-reduces each
+    assert all(count(b, "all-reduce") == (2 if tp > 1 else 0) for b in bodies)
+    outside = count(scanned_hlo, "all-reduce") - sum(count(b, "all-reduce") for b in bodies)
+    assert count(hlo, "all-reduce") == outside + len(bodies) * layers_per_stage * (2 if tp > 1 else 0)
+    params = lambda m: sum(x.nbytes for x in jax.tree.leaves(nnx.state(m.model, nnx.Param)))
+    assert params(llm) == params(scanned)
+
+
+def step_hlo(llm) -> str:
+    """The compiled HLO of the engine's step (a decode shape), as served."""
+    runner = llm.engine.core.runner
+    batch = StepBatch.empty(llm.engine.core.warmup_shapes()[0])
+    return runner._forward.lower(runner.weights, runner.put(batch.packed()), runner.k, runner.v,
+                                 shape=batch.shape).compile().as_text()
 
 
 def test_bad_input(deep):

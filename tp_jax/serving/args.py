@@ -86,6 +86,7 @@ RULES: dict[str, Callable[[str, Any], None]] = {
     "progress": _flag,
     "check_weights": _flag,
     "quantization": _quantization,
+    "unroll_layers": _flag,
 }
 
 

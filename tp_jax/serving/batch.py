@@ -25,7 +25,7 @@ import numpy as np
 
 from tp_jax.serving.scheduler import ScheduledRow, SchedulerOutput
 
-MIN_TOKENS = 16
+MIN_TOKENS = 16               # steps with a prefill; a decode-only step pays for its rows alone
 MIN_PREFILL_WIDTH = 16
 MIN_BLOCKS = 8                # short contexts share one table width (fewer compiled shapes)
 
@@ -136,7 +136,8 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
     prefills = [row for _, (_, pre) in groups for row in pre]
     shape = StepShape(
         groups=len(groups),
-        tokens=fine_bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups), MIN_TOKENS),
+        tokens=fine_bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups),
+                           MIN_TOKENS if prefills else 1),
         decode_rows=fine_bucket(max(len(dec) for _, (dec, _) in groups)),
         decode_blocks=_blocks(decodes, block_size),
         prefill_rows=bucket(max(len(pre) for _, (_, pre) in groups)),

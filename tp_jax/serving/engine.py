@@ -301,7 +301,7 @@ class EngineCore:
         prefill chunk: the shapes most steps use. Others compile on first use (`compiled_shapes`)."""
         cfg, groups = self.config, len(self.scheduler.blocks) * self.microbatches
         rows = sorted({fine_bucket(n) for n in range(1, cfg.max_num_seqs + 1)})
-        shapes = [StepShape(groups, fine_bucket(d, MIN_TOKENS), d, MIN_BLOCKS, 0, 0, 0) for d in rows]
+        shapes = [StepShape(groups, d, d, MIN_BLOCKS, 0, 0, 0) for d in rows]
         chunk = cfg.max_num_batched_tokens                       # one prompt chunk, laid out as build_batch does
         shapes.append(StepShape(groups, fine_bucket(chunk, MIN_TOKENS), 0, 0, 1, bucket(chunk, MIN_PREFILL_WIDTH),
                                 bucket(-(-chunk // cfg.block_size), MIN_BLOCKS)))

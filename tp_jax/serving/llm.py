@@ -61,11 +61,14 @@ class LLM:
     loading, on by default; False skips it); compile_cache (True: JAX's persistent compilation
     cache in ~/.cache/tp_jax/xla or $TP_JAX_COMPILE_CACHE; a directory; False: off; see
     tp_jax/serving/compile_cache.py); attention_backend ("reference", or "jax_nn":
-    jax.nn.dot_product_attention, cuDNN on GPUs); quantization ("auto": a GGUF file's Q8_0 /
-    Q4_0 / Q4_1 weights stay quantized, other checkpoints load as stored; "int8": weight-only
-    int8 per output channel, quantized per device at load; "gguf": keep GGUF blocks, an error
-    if a type cannot be kept; None or "none": every weight in float; see docs/quantization.md).
-    `.quantization` says how the loaded weights are held.
+    jax.nn.dot_product_attention, cuDNN on GPUs); unroll_layers (True: one array per layer and
+    the layers unrolled in each step, no per-layer weight copies; faster decode on XLA:CPU, about
+    10x the compile time per step shape, which the compile cache keeps; see docs/performance.md);
+    quantization ("auto": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights stay quantized, other
+    checkpoints load as stored; "int8": weight-only int8 per output channel, quantized per
+    device at load; "gguf": keep GGUF blocks, an error if a type cannot be kept; None or
+    "none": every weight in float; see docs/quantization.md). `.quantization` says how the
+    loaded weights are held.
     """
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -75,7 +78,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
                  check_weights: bool = True, compile_cache: bool | str = True,
-                 attention_backend: str = "reference", quantization: str | None = "auto"):
+                 attention_backend: str = "reference", unroll_layers: bool = False,
+                 quantization: str | None = "auto"):
         validate_llm_args(**locals())                  # types and ranges, before any work (EngineConfig: the rest)
         from tp_jax.serving import compile_cache as cache
         self.compile_cache_dir = cache.enable(compile_cache)
@@ -110,6 +114,9 @@ class LLM:
                                       check_weights=check_weights, quantization=quantization)
         from tp_jax.loaders.quantize import describe_methods
         self.quantization = describe_methods(self.model)
+        if unroll_layers:
+            from tp_jax.parallel.layers.stack import unstack_all
+            unstack_all(self.model, self.mesh)
         self.seed, self.max_num_seqs = seed, max_num_seqs
         self._forward = None
         self._engine = None

@@ -36,26 +36,27 @@ class ModelRunner:
     def __init__(self, model: nnx.Module, mesh: Mesh, pool: PoolShape, microbatches: int, vocab_size: int,
                  num_slots: int, attention_backend: str = "reference"):
         self.mesh, self.pool, self.vocab_size, self.num_slots = mesh, pool, vocab_size, num_slots
-        graphdef, self.state = nnx.split(model)
-        specs = nnx.get_partition_spec(self.state)
+        graphdef, state = nnx.split(model)
+        specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, P))
+        self.weights, treedef = jax.tree.flatten(state)     # flat: an nnx State costs ms to flatten per call
         self.k, self.v = new_pool(pool, mesh)
         self.penalty_state = None                # (prompt_mask bool[S+1, V], counts i32[S+1, V]) once needed
         self.compiled_shapes: set[StepShape] = set()
 
-        def forward(state, packed, k, v, *, shape):
+        def forward(weights, packed, k, v, *, shape):
             a = unpack(packed, shape)
-            m = nnx.merge(graphdef, state)
+            m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
             paged = PagedBatch(a["slots"], a["decode_tables"], a["prefill_tables"], a["prefill_index"])
             cache = KVCache(k, v, paged, attention_backend)
             h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches)
             last = jnp.take_along_axis(h, a["logits_index"][..., None], axis=1)     # [M, R, D]
             return m.logits(last), cache.k, cache.v
 
-        def sharded(state, packed, k, v, *, shape):
+        def sharded(weights, packed, k, v, *, shape):
             fn = jax.shard_map(functools.partial(forward, shape=shape), mesh=mesh,
                                in_specs=(specs, P(DP), POOL_SPEC, POOL_SPEC), out_specs=(P(DP), POOL_SPEC, POOL_SPEC),
                                check_vma=False)
-            return fn(state, packed, k, v)
+            return fn(weights, packed, k, v)
 
         self._forward = jax.jit(sharded, donate_argnums=(2, 3), static_argnames=("shape",))
 
@@ -64,7 +65,7 @@ class ModelRunner:
 
     def forward(self, batch) -> jax.Array:
         """Run the model on one step's tokens, writing their k/v; logits [G, D + P, V] stay on device."""
-        logits, self.k, self.v = self._forward(self.state, self.put(batch.packed()), self.k, self.v,
+        logits, self.k, self.v = self._forward(self.weights, self.put(batch.packed()), self.k, self.v,
                                                shape=batch.shape)
         self.compiled_shapes.add(batch.shape)
         return logits

@@ -2,6 +2,12 @@
 
 The layer axis is sharded on pp (each pipeline stage holds its own layers; with pp = 1
 every device holds all of them). Compile time does not grow with depth.
+
+`unstack(mesh)` trades that for speed where a step reads every weight once (decode): XLA:CPU
+copies each layer's slice out of a stacked weight before its matmul (a dynamic-slice per weight
+per layer, as many bytes again as the matmuls read), so a serving engine stores one array per
+local layer slot instead ([pp, ...] each, still sharded on pp) and runs the layers unrolled.
+Same numbers, one read per weight; compile time then grows with depth.
 """
 
 from __future__ import annotations
@@ -40,12 +46,19 @@ class Stack(nnx.Module):
 
         self.layers = build(rngs)
         self.num_layers = num_layers
+        self.slots = None                        # after unstack(): one module per local layer slot
 
     def __call__(self, fn: Callable, h: jax.Array, carry=None):
-        """Scan `h, carry = fn(layer, index, h, carry)` over the local layers (index: this rank's slot).
+        """Run `h, carry = fn(layer, index, h, carry)` over the local layers (index: this rank's slot).
 
         `carry` is threaded through every layer (e.g. a KV pool each layer writes in place).
         """
+        if self.slots is not None:
+            for index, slot in enumerate(self.slots):
+                graphdef, state = nnx.split(slot)
+                layer = nnx.merge(graphdef, jax.tree.map(lambda x: x[0], state))   # local [1, ...]: a bitcast
+                h, carry = fn(layer, jnp.int32(index), h, carry)
+            return h, carry
         graphdef, state = nnx.split(self.layers)
 
         def body(c, xs):
@@ -55,6 +68,34 @@ class Stack(nnx.Module):
         num_local = jax.tree.leaves(state)[0].shape[0]
         (h, carry), _ = jax.lax.scan(body, (h, carry), (state, jnp.arange(num_local, dtype=jnp.int32)))
         return h, carry
+
+    def unstack(self, mesh: jax.sharding.Mesh) -> None:
+        """Store one array per local layer slot (see the module doc); the stacked arrays are freed."""
+        if self.slots is not None:
+            return
+        pp = mesh.shape[PP]
+        num_local = self.num_layers // pp
+        graphdef, state = nnx.split(self.layers)
+        specs = nnx.get_partition_spec(state)
+
+        def split_leaf(x, spec):                 # stage s's slot j = layer s * num_local + j, no data moves
+            f = jax.shard_map(lambda a: tuple(a[j:j + 1] for j in range(num_local)), mesh=mesh,
+                              in_specs=spec, out_specs=(spec,) * num_local, check_vma=False)
+            out = jax.jit(f)(x)
+            x.delete()                           # one weight's worth of extra memory at a time
+            return out
+
+        pieces = jax.tree.map(split_leaf, state, specs)
+        self.slots = nnx.data(nnx.List([nnx.merge(graphdef, jax.tree.map(lambda p: p[j], pieces,
+                                                                is_leaf=lambda p: isinstance(p, tuple)))
+                               for j in range(num_local)]))
+        self.layers = None
+
+
+def unstack_all(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
+    """`Stack.unstack` every Stack in `model` (in place)."""
+    for stack in [node for _, node in nnx.iter_graph(model) if isinstance(node, Stack)]:
+        stack.unstack(mesh)
 
 
 show_init_signature(Stack)

@@ -5,7 +5,8 @@
   gets a message naming the parallel layer to use) and declares that param;
 * every entry matches a param, names a part that param declares, and is the only one
   for that part; stacked params (`Stack`) take `{i}` names, others do not;
-* every param has an entry for each of its parts.
+* every param has an entry for each of its parts; a param a linear method derives from the
+  layer's weight (int8 scales, GGUF blocks: `DerivedParam.reads`) takes the weight's entries.
 
 `check_source(bindings, source, table, num_layers)` then checks the checkpoint, reading
 headers only: every tensor the model needs is there with the declared shape (in the
@@ -26,6 +27,7 @@ from typing import NamedTuple
 from flax import nnx
 
 from tp_jax.parallel.layers import Entry, ParallelModule, ShardedParam, Stack, WeightShapeError, WeightTable
+from tp_jax.parallel.layers.method import DerivedParam
 from tp_jax.parallel.layers.table import TensorView, as_lazy, template_regex
 
 MAX_LISTED = 8
@@ -120,7 +122,7 @@ def bind(model: nnx.Module, table: WeightTable | Sequence[Entry]) -> list[Bindin
         else:
             filled.setdefault(e.param, {})[e.part] = e
     for path, decl in decls.items():
-        have = filled.get(path, {})
+        have = filled.get(_reads(path, decl), {})
         missing = [p for p in decl.parts if p not in have]
         if not have:
             problems.append(f"param {path!r} ({type(params[path].module).__name__}.{params[path].attr}) is filled by "
@@ -133,8 +135,15 @@ def bind(model: nnx.Module, table: WeightTable | Sequence[Entry]) -> list[Bindin
                             f"Entry(hf=<checkpoint tensor>, param={path!r}, part={missing[0]!r})")
     if problems:
         raise NameTableError(_listing(f"the name table does not fit {type(model).__name__}", problems))
-    return [Binding(path, params[path].module, params[path].attr, decl, filled[path], params[path].stacked,
-                    params[path].key) for path, decl in decls.items()]
+    return [Binding(path, params[path].module, params[path].attr, decl, filled[_reads(path, decl)],
+                    params[path].stacked, params[path].key) for path, decl in decls.items()]
+
+
+def _reads(path: str, decl: ShardedParam) -> str:
+    """The param whose entries fill `path`: itself, or the weight a method derived it from."""
+    if isinstance(decl, DerivedParam) and decl.reads:
+        return path.rsplit(".", 1)[0] + "." + decl.reads if "." in path else decl.reads
+    return path
 
 
 def _loadable(path: str, module, attr: str) -> str | None:
@@ -159,6 +168,9 @@ def _check_entry(e: Entry, params, decls, filled: dict[str, Entry]) -> str | Non
     if e.param not in decls:
         return None                                     # its module is reported already
     decl, module = decls[e.param], params[e.param].module
+    if _reads(e.param, decl) != e.param:
+        return (f"{e}: param {e.param!r} is derived by {type(module).__name__}'s method from "
+                f"{_reads(e.param, decl)!r}; give the entry to that param")
     if e.part not in decl.parts:
         return (f"{e}: param {e.param!r} ({type(module).__name__}) has no part {e.part!r}; its parts are "
                 f"{list(decl.parts)} (checkpoint tensor {e.hf!r})")

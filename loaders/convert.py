@@ -41,7 +41,9 @@ def write_config_and_tokenizer(src: str, out_dir: str, dtype: str | None = None)
         config.dtype = dtype or "float32"
         config.save_pretrained(out_dir)
         _save_generation_config(config, out_dir)
-        load_gguf_tokenizer(src).save_pretrained(out_dir)
+        tok = load_gguf_tokenizer(src)
+        if tok is not None:                            # a file without a tokenizer converts without one
+            tok.save_pretrained(out_dir)
         return
     _copy_metadata_files(src, out_dir)
     if dtype is not None:

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from tp_jax.loaders.dtypes import BY_NAME
+from tp_jax.parallel.layers.ggml import KEPT, dequantize_raw
 
 QT = gguf.GGMLQuantizationType
 FLOAT_TYPES = {QT.F32: BY_NAME["float32"].numpy, QT.F16: BY_NAME["float16"].numpy,
@@ -169,14 +170,30 @@ class GGUFTensor:
         index = index if isinstance(index, tuple) else (index,)
         first = index[0] if index else Ellipsis
         all_rows = first is Ellipsis or first is None or (isinstance(first, slice) and first == slice(None))
+        cols = self._block_columns(index[1]) if self.ndim == 2 and len(index) == 2 and first is not None else None
+        if cols is not None:                       # a run of whole blocks (a row-parallel rank's input columns)
+            rows = None if all_rows else np.arange(self.shape[0])[first]
+            block = self.read_rows(None if rows is None else rows.reshape(-1), cols)
+            return block if rows is None else block.reshape(rows.shape + block.shape[1:])
         if self.ndim == 1 or all_rows:
             return self._source._full(self)[index]
         rows = np.arange(self.shape[0])[first]
         block = self.read_rows(rows.reshape(-1)).reshape(rows.shape + self.shape[1:])
         return block[(slice(None),) * rows.ndim + index[1:]]
 
-    def read_rows(self, rows: np.ndarray | None) -> np.ndarray:
-        """Rows `rows` (all when None) of the HF-layout tensor, dequantized."""
+    def _block_columns(self, index) -> slice | None:
+        """`index` as a slice of whole quant blocks of a quantized tensor's columns, else None."""
+        if self._info.tensor_type in FLOAT_TYPES or not isinstance(index, slice) or index.step not in (None, 1):
+            return None
+        start, stop, _ = index.indices(self.shape[1])
+        block = gguf.GGML_QUANT_SIZES[self._info.tensor_type][0]
+        if (start, stop) == (0, self.shape[1]) or start % block or stop % block or stop <= start:
+            return None
+        return slice(start, stop)
+
+    def read_rows(self, rows: np.ndarray | None, cols: slice | None = None) -> np.ndarray:
+        """Rows `rows` (all when None) of the HF-layout tensor, dequantized; `cols`: only those columns,
+        a run of whole quant blocks (only those blocks are read and dequantized)."""
         data = self._info.data
         src = rows if self._perm is None else (self._perm if rows is None else self._perm[rows])
         raw = data if src is None else data[src]
@@ -185,12 +202,48 @@ class GGUFTensor:
             return np.ascontiguousarray(raw).view(ml_dtypes.bfloat16)
         if qtype in FLOAT_TYPES:
             return np.asarray(raw)
+        if cols is not None:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            raw = raw[:, cols.start // block * size:cols.stop // block * size]
+        if qtype.name in KEPT and raw.ndim == 2:            # Q8_0 / Q4_0 / Q4_1: all rows in one numpy pass
+            return dequantize_raw(raw, qtype.name)
         return gguf.quants.dequantize(np.asarray(raw), qtype)
+
+    @property
+    def quant_type(self) -> str:
+        """The tensor's GGUF type name: "F32", "F16", "BF16", "Q8_0", "Q4_1", ..."""
+        return self._info.tensor_type.name
+
+    def blocks(self) -> RawBlocks:
+        """The raw quant blocks `[rows, in/32, bytes]` (uint8, HF row order), read lazily from the memory map."""
+        return RawBlocks(self)
 
     @property
     def reads_file_directly(self) -> bool:
         """True when reads come straight from the memory map (no dequant, no permutation)."""
         return self._perm is None and self._info.tensor_type in (QT.F32, QT.F16)
+
+
+class RawBlocks:
+    """A quantized GGUFTensor's blocks, not dequantized: shape `[rows, blocks per row, bytes per block]`.
+
+    `blocks[rows, blocks, bytes]` (contiguous slices) reads only those rows from the memory
+    map, un-rotating q/k rows like the float reads (the permutation moves whole rows).
+    """
+
+    def __init__(self, tensor: GGUFTensor):
+        block, size = gguf.GGML_QUANT_SIZES[tensor._info.tensor_type]
+        self._tensor = tensor
+        self.shape = (tensor.shape[0], tensor.shape[1] // block, size)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (3 - len(index))
+        rows = np.arange(self.shape[0])[index[0]]
+        t = self._tensor
+        src = rows if t._perm is None else t._perm[rows]
+        raw = np.asarray(t._info.data[src]).reshape(len(rows), *self.shape[1:])
+        return raw[:, index[1], index[2]]
 
 
 class GGUFSource:
@@ -396,10 +449,13 @@ def load_gguf_tokenizer(path: str | os.PathLike):
 
     Special tokens and the chat template come from the file's metadata
     (`tokenizer.ggml.*_token_id`, `tokenizer.chat_template`), not from transformers'
-    guesses, so e.g. SmolLM2's end of turn is `<|im_end|>`.
+    guesses, so e.g. SmolLM2's end of turn is `<|im_end|>`. None when the file stores no
+    tokenizer (no `tokenizer.ggml.model`), as for a directory without tokenizer files.
     """
     from transformers import AutoTokenizer
     source = GGUFSource(path)
+    if "tokenizer.ggml.model" not in source.metadata:
+        return None
     p = Path(path)
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     meta = source.metadata

@@ -1,6 +1,9 @@
-"""Load a model for a mesh: config -> abstract model -> per-device params from a weight source."""
+"""Load a model for a mesh: config -> abstract model -> linear methods -> per-device params from a source."""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -9,30 +12,61 @@ from jax.sharding import Mesh
 
 from tp_jax.loaders.bind import bind
 from tp_jax.loaders.place import fill, load_state
+from tp_jax.loaders.quantize import plan_methods
 from tp_jax.loaders.sources import open_checkpoint
 from tp_jax.models.config import ModelConfig
 from tp_jax.models.registry import architecture, check_instance
+from tp_jax.parallel.layers import LinearMethod, apply_methods
 from tp_jax.parallel.mesh import PP, TP, make_mesh
 
 
-def abstract_model(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32) -> nnx.Module:
-    """The registered model for `cfg` with shapes, dtypes and specs but no allocated params."""
+def abstract_model(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32,
+                   methods: Mapping[str, LinearMethod] | None = None) -> nnx.Module:
+    """The registered model for `cfg` with shapes, dtypes and specs but no allocated params.
+
+    `methods`: {module path: LinearMethod} swapped in after construction (`plan_methods`);
+    the model's own code never sees quantization.
+    """
     cls = architecture(cfg.architecture).model
+
+    def build():
+        model = cls(cfg, tp_size=mesh.shape[TP], pp_size=mesh.shape[PP], dtype=dtype, rngs=nnx.Rngs(0))
+        apply_methods(model, methods or {})
+        return model
+
     with jax.set_mesh(mesh):
-        model = nnx.eval_shape(lambda: cls(cfg, tp_size=mesh.shape[TP], pp_size=mesh.shape[PP], dtype=dtype,
-                                           rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(build)
     check_instance(model, cfg)
     return model
 
 
 def load_from_source(cfg: ModelConfig, source, mesh: Mesh, dtype=jnp.float32, progress: bool = True, *,
-                     check_weights: bool = True) -> nnx.Module:
-    """The model for `cfg` on `mesh`, each device's params read from `source` (see `load_state`)."""
+                     check_weights: bool = True, quantization: str | None = None) -> nnx.Module:
+    """The model for `cfg` on `mesh`, each device's params read from `source` (see `load_state`).
+
+    `quantization`: None (float), "int8", "gguf" or "auto" (loaders/quantize.py); its
+    problems are raised before any tensor data is read.
+    """
     model = abstract_model(cfg, mesh, dtype)
     table = architecture(cfg.architecture).weights(cfg)
+    methods = plan_methods(model, table, source, cfg.num_layers, quantization)
+    if methods:
+        model = abstract_model(cfg, mesh, dtype, methods)
     fill(model, load_state(model, mesh, source, table, cfg.num_layers, jnp.dtype(dtype), progress,
                            check_weights=check_weights))
     return model
+
+
+def param_bytes_per_device(model: nnx.Module, mesh: Mesh) -> int:
+    """Bytes of params on the busiest device of `mesh` (abstract or loaded model), from each param's spec."""
+    state = nnx.state(model, nnx.Param)
+    specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
+    total = 0
+    for key, var in nnx.to_flat_state(state):
+        x, spec = var.get_value(), specs[key].get_value()
+        shards = math.prod(mesh.shape[a] for a in spec if a is not None)
+        total += math.prod(x.shape) // shards * jnp.dtype(x.dtype).itemsize
+    return total
 
 
 def tensor_split_dims(cfg: ModelConfig) -> dict[str, int | None]:
@@ -51,10 +85,14 @@ def tensor_split_dims(cfg: ModelConfig) -> dict[str, int | None]:
     return out
 
 
-def load_model(path: str, mesh: Mesh, dtype=jnp.float32, progress: bool = True, *, check_weights: bool = True):
+def load_model(path: str, mesh: Mesh, dtype=jnp.float32, progress: bool = True, *, check_weights: bool = True,
+               quantization: str | None = None):
     """(model, config) for a checkpoint path (`.gguf`, Orbax or safetensors directory) on `mesh`."""
     ckpt = open_checkpoint(path)
-    return load_from_source(ckpt.config, ckpt.source, mesh, dtype, progress, check_weights=check_weights), ckpt.config
+    model = load_from_source(ckpt.config, ckpt.source, mesh, dtype, progress, check_weights=check_weights,
+                             quantization=quantization)
+    return model, ckpt.config
 
 
-__all__ = ["abstract_model", "load_from_source", "load_model", "open_checkpoint", "tensor_split_dims"]
+__all__ = ["abstract_model", "load_from_source", "load_model", "open_checkpoint", "tensor_split_dims",
+           "param_bytes_per_device"]

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from tp_jax.loaders.bind import (Binding, CheckpointMismatchError, MissingWeightError, NameTableError, as_table,
                                  bind, check_source)
 from tp_jax.parallel.layers import Entry, WeightTable
+from tp_jax.parallel.layers.method import DerivedParam
 from tp_jax.parallel.mesh import TP
 
 
@@ -55,8 +56,12 @@ def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map
     """The global array of one param, each device's block built by its layer from `source`.
 
     Stacked params follow `layer_map` (slot -> HF layer; -1 = an identity layer: zeros).
+    Float params are cast to `dtype`; a param a linear method derived (int8 values, scales,
+    GGUF blocks) keeps the dtype the method gave it.
     """
     shape = tuple(abstract.shape)
+    if isinstance(b.decl, DerivedParam):
+        dtype = np.dtype(abstract.dtype)
     tp_dim, tp = _tp_dim(spec), mesh.shape[TP]
 
     def one(rank: int, layer: int | None) -> np.ndarray:

@@ -1,14 +1,18 @@
 """Decode throughput of tp_jax vs transformers on SmolLM2 (greedy, same weights, same prompt), one JSON line.
 
     python scripts/bench_decode.py [--batch 1 8] [--tokens 64] [--dp 1 --pp 1 --tp 1] [--simulate-devices N]
+                                   [--quantization none int8 auto] [--layers scan unrolled]
 
 Decode time is T(N tokens) - T(1 token), for both engines, so prefill and compile are out.
 Roofline: bytes of weights read per decode step / the machine's measured read bandwidth.
 `bare_forward_ms` times the model's jitted forward alone on the same decode step (the
 engine's batch, its paged pool), so `step_over_forward` is the engine's own overhead
 (scheduling, batch building, transfers, sampling). With --pp > 1 each batch row also reports
-the GPipe bubble (idle stage-steps / total) for the engine's micro-batch count. Each batch size
-is measured for the scanned layer stack and `LLM(unroll_layers=True)` side by side (--layers).
+the GPipe bubble (idle stage-steps / total) for the engine's micro-batch count.
+Every combination of `--quantization` (auto / none / int8 / gguf) and `--layers` (the scanned
+layer stack, `LLM(unroll_layers=True)`) is loaded in turn and measured in the same run, side
+by side ("results": one entry each, with the bytes of weights per device and the greedy
+tokens' agreement with the first entry).
 """
 
 import argparse
@@ -31,6 +35,8 @@ def parse_args():
     ap.add_argument("--layers", nargs="+", default=["scan", "unrolled"], choices=["scan", "unrolled"],
                     help="LLM(unroll_layers=False / True), each measured in this run (default both)")
     ap.add_argument("--prompt", default="Once upon a time")
+    ap.add_argument("--quantization", nargs="+", default=["auto"], help="auto, none, int8, gguf (several: side "
+                    "by side in one run)")
     return ap.parse_args()
 
 
@@ -93,52 +99,69 @@ def theirs(model, ids, batch, n):
     return (t_n - t_1) / (n - 1), tokens
 
 
+def measure(args, quantization: str, layers: str, bandwidth: float, hf, first_tokens: dict) -> dict:
+    """One load's rows: every batch size (the LLM is dropped before the next load)."""
+    import jax
+    from flax import nnx
+    from tp_jax import LLM
+    from tp_jax.loaders.model import param_bytes_per_device
+    from tp_jax.parallel.pipeline import bubble_fraction
+    llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp,
+              pipeline_parallel_size=args.pp, num_microbatches=args.num_microbatches, progress=False,
+              quantization=quantization, unroll_layers=layers == "unrolled")
+    ids = llm.get_tokenizer().encode(args.prompt)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model, nnx.Param)))
+    out = {"quantization": quantization, "weights": llm.quantization, "layers": layers,
+           "dtype": jax.numpy.dtype(llm.dtype).name,
+           "weight_bytes": weight_bytes,
+           "weight_bytes_per_device": param_bytes_per_device(llm.model, llm.mesh)}
+    roofline_step = weight_bytes / (bandwidth * 1e9)
+    steps = {}
+    for b in args.batch:
+        step, toks = ours(llm, ids, b, args.tokens)
+        steps[b] = step
+        fwd = bare_forward(llm, ids, b, args.tokens)
+        mb = llm.engine.core.microbatches
+        row = {"tp_jax_tokens_per_s": round(b / step, 2), "tp_jax_step_ms": round(step * 1e3, 2),
+               "bare_forward_ms": round(fwd * 1e3, 2), "step_over_forward": round(step / fwd, 3),
+               "roofline_pct": round(100 * roofline_step / step, 1), "microbatches": mb,
+               "bubble_fraction": round(bubble_fraction(args.pp, mb), 3)}
+        first = first_tokens.setdefault(b, toks)
+        row["greedy_agreement_with_first"] = round(sum(x == y for x, y in zip(toks, first)) / len(first), 3)
+        if hf is not None:
+            hf_step, hf_toks = hf[b]
+            row.update({"speedup_over_transformers": round(hf_step / step, 2), "same_tokens": toks == hf_toks})
+        out[f"batch{b}"] = row
+    lo, hi = min(args.batch), max(args.batch)
+    if lo != hi:
+        out[f"step_batch{hi}_over_batch{lo}"] = round(steps[hi] / steps[lo], 2)
+    return out
+
+
 def main():
     args = parse_args()
     if args.simulate_devices:
         from tp_jax.multihost.devices import simulate_cpu_devices
         simulate_cpu_devices(args.simulate_devices)
     import jax
-    from flax import nnx
-    from tp_jax import LLM
-    from tp_jax.parallel.pipeline import bubble_fraction
-    kw = dict(tensor_parallel_size=args.tp, data_parallel_size=args.dp, pipeline_parallel_size=args.pp,
-              num_microbatches=args.num_microbatches, progress=False)
-    llms = {mode: LLM(args.model, unroll_layers=mode == "unrolled", **kw) for mode in args.layers}
-    llm = next(iter(llms.values()))
-    ids = llm.get_tokenizer().encode(args.prompt)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model, nnx.Param)))
+    from tp_jax.loaders.default import default_model_path
+    from tp_jax.serving.tokenizer import load_tokenizer
+    path = args.model or default_model_path()
     bandwidth = read_bandwidth_gbps()
+    result = {"model": os.path.basename(path), "tp": args.tp, "dp": args.dp, "pp": args.pp, "tokens": args.tokens,
+              "platform": jax.default_backend(), "devices": jax.device_count(),
+              "read_bandwidth_GBps": round(bandwidth, 2)}
     hf = None
     if not args.no_transformers:
         from hf_reference import load_hf_model
-        hf = load_hf_model(llm.model_path)
-    result = {"model": os.path.basename(llm.model_path), "dtype": str(llm.dtype.__name__ if hasattr(llm.dtype, "__name__") else llm.dtype),
-              "tp": args.tp, "dp": args.dp, "pp": args.pp, "tokens": args.tokens,
-              "platform": jax.default_backend(), "devices": jax.device_count(),
-              "weight_bytes": weight_bytes, "read_bandwidth_GBps": round(bandwidth, 2)}
-    roofline_step = weight_bytes / (bandwidth * 1e9)
-    steps = {}
-    for b in args.batch:
-        row = {}
-        if hf is not None:
-            hf_step, hf_toks = theirs(hf, ids, b, args.tokens)
-            row.update({"transformers_tokens_per_s": round(b / hf_step, 2), "transformers_step_ms": round(hf_step * 1e3, 2)})
-        for mode, m in llms.items():
-            step, toks = ours(m, ids, b, args.tokens)
-            fwd = bare_forward(m, ids, b, args.tokens)
-            mb = m.engine.core.microbatches
-            steps[mode, b] = step
-            row[mode] = {"tokens_per_s": round(b / step, 2), "step_ms": round(step * 1e3, 2),
-                         "bare_forward_ms": round(fwd * 1e3, 2), "step_over_forward": round(step / fwd, 3),
-                         "roofline_pct": round(100 * roofline_step / step, 1), "microbatches": mb,
-                         "bubble_fraction": round(bubble_fraction(args.pp, mb), 3)}
-            if hf is not None:
-                row[mode].update({"speedup_vs_transformers": round(hf_step / step, 2), "same_tokens": toks == hf_toks})
-        result[f"batch{b}"] = row
-    lo, hi = min(args.batch), max(args.batch)
-    if lo != hi:
-        result[f"step_batch{hi}_over_batch{lo}"] = {mode: round(steps[mode, hi] / steps[mode, lo], 2) for mode in llms}
+        model, ids = load_hf_model(path), load_tokenizer(path).encode(args.prompt)
+        hf = {b: theirs(model, ids, b, args.tokens) for b in args.batch}
+        result["transformers"] = {f"batch{b}": {"tokens_per_s": round(b / s, 2), "step_ms": round(s * 1e3, 2)}
+                                  for b, (s, _) in hf.items()}
+        del model
+    first_tokens: dict = {}
+    result["results"] = [measure(args, q, layers, bandwidth, hf, first_tokens)
+                         for q in args.quantization for layers in args.layers]
     print(json.dumps(result))
 
 

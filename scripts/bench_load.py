@@ -1,6 +1,7 @@
 """Time to a ready model and peak RSS, SmolLM2 loaded from GGUF, safetensors and Orbax; one JSON line each.
 
     python scripts/bench_load.py [--tp 8] [--simulate-devices 8] [--model X.gguf] [--work-dir DIR] [--repeat 2]
+                                 [--quantization none gguf int8]
 
 The safetensors copy (loaders/convert.py `convert_gguf`, float32) and the Orbax copy
 (loaders/orbax.py `convert_to_orbax`) are written first, each conversion in its own
@@ -12,6 +13,12 @@ is the CPU time of that step (all threads), steadier than wall time on a shared 
 the model's shapes), so closer to the source's own cost. Peak RSS is taken before it.
 `baseline_rss_mib` is RSS after imports and jax start; `placed_mib` is the bytes of the
 placed params (on CPU the simulated devices live in host memory, so these are in RSS too).
+
+Quantized rows (`--quantization`, default `none gguf int8`): "none" loads every source in
+float32 (the GGUF dequantized per device slice); "gguf" keeps the GGUF file's Q4_1 / Q8_0
+blocks (what `LLM(path)` does by default for a quantized .gguf); "int8" quantizes each
+device's slice at load, from the float32 safetensors and from the GGUF. `transient_mib` =
+peak - baseline - placed: what loading held beyond the params themselves.
 """
 
 import argparse
@@ -38,7 +45,7 @@ def cpu_s() -> float:
     return t.user + t.system
 
 
-def child_load(path: str, tp: int, devices: int) -> dict:
+def child_load(path: str, quantization: str, tp: int, devices: int) -> dict:
     if devices:
         from tp_jax.multihost.devices import simulate_cpu_devices
         simulate_cpu_devices(devices)
@@ -49,18 +56,20 @@ def child_load(path: str, tp: int, devices: int) -> dict:
     jax.block_until_ready(jnp.ones(8))
     def load():
         t, cpu = time.perf_counter(), cpu_s()
-        leaves = jax.tree.leaves(nnx.state(LLM(path, tensor_parallel_size=tp, progress=False).model, nnx.Param))
+        llm = LLM(path, tensor_parallel_size=tp, progress=False, quantization=quantization)
+        leaves = jax.tree.leaves(nnx.state(llm.model, nnx.Param))
         jax.block_until_ready(leaves)
-        return time.perf_counter() - t, cpu_s() - cpu, leaves
+        return time.perf_counter() - t, cpu_s() - cpu, leaves, llm.quantization
 
     base = rss_mib("VmRSS")
-    load_s, cpu, leaves = load()
+    load_s, cpu, leaves, weights = load()
     peak = rss_mib("VmHWM")
     placed = sum(s.data.nbytes for x in leaves for s in x.addressable_shards) / 2**20
     del leaves
-    warm_s, _, _ = load()
-    return {"load_s": round(load_s, 2), "cpu_s": round(cpu, 2), "warm_load_s": round(warm_s, 2),
-            "peak_rss_mib": round(peak), "baseline_rss_mib": round(base), "placed_mib": round(placed)}
+    warm_s, _, _, _ = load()
+    return {"weights": weights, "load_s": round(load_s, 2), "cpu_s": round(cpu, 2), "warm_load_s": round(warm_s, 2),
+            "peak_rss_mib": round(peak), "baseline_rss_mib": round(base), "placed_mib": round(placed),
+            "transient_mib": round(peak - base - placed)}
 
 
 def child_convert(kind: str, src: str, out: str) -> dict:
@@ -96,11 +105,13 @@ def main() -> None:
     ap.add_argument("--simulate-devices", type=int, default=8, help="0: use the real devices")
     ap.add_argument("--work-dir", default=None, help="where the converted copies go (default: a temp dir)")
     ap.add_argument("--repeat", type=int, default=1, help="loads per source (one process each)")
+    ap.add_argument("--quantization", nargs="+", default=["none", "gguf", "int8"], choices=["none", "gguf", "int8"],
+                    help="rows to measure: float32, the GGUF's blocks kept, int8 at load")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         kind, *rest = args.child
-        res = child_load(rest[0], args.tp, args.simulate_devices) if kind == "load" else child_convert(kind, *rest)
+        res = child_load(*rest, args.tp, args.simulate_devices) if kind == "load" else child_convert(kind, *rest)
         print(json.dumps(res))
         return
     from tp_jax.loaders.default import default_model_path
@@ -110,11 +121,13 @@ def main() -> None:
     for kind in ("safetensors", "orbax"):
         res = run_child(["--child", kind, gguf, paths[kind]])
         print(json.dumps({"step": "convert", "to": kind, **res, "disk_mib": du_mib(paths[kind])}), flush=True)
+    rows = [(kind, q) for q in args.quantization for kind in paths
+            if q == "none" or (q == "gguf" and kind == "gguf") or (q == "int8" and kind != "orbax")]
     for _ in range(args.repeat):
-        for kind, path in paths.items():
-            res = run_child(["--child", "load", path, "--tp", str(args.tp),
+        for kind, q in rows:
+            res = run_child(["--child", "load", paths[kind], q, "--tp", str(args.tp),
                              "--simulate-devices", str(args.simulate_devices)])
-            print(json.dumps({"step": "load", "source": kind, "tp": args.tp, **res}), flush=True)
+            print(json.dumps({"step": "load", "source": kind, "quantization": q, "tp": args.tp, **res}), flush=True)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ def ids_for(vocab: int, batch: int = 2, length: int = 12) -> np.ndarray:
 
 
 def max_diff(source: str, orbax_dir: str, ids, **mesh) -> float:
-    ref = LLM(source, progress=False, **mesh).get_logits(ids)
+    """Max |logits| difference, source vs its Orbax copy; a GGUF source in float (its blocks dequantized at
+    load, as the copy was written), not the default kept blocks, whose tiled GEMM sums in another order."""
+    ref = LLM(source, progress=False, quantization=None, **mesh).get_logits(ids)
     got = LLM(orbax_dir, progress=False, **mesh).get_logits(ids)
     assert got.shape == ref.shape
     return float(np.abs(got - ref).max())

@@ -1,5 +1,9 @@
 """The real SmolLM2-135M-Instruct (9 query / 3 KV heads) through our GGUF and safetensors paths,
-against transformers on the same weights, at tp in {1, 2, 3, 4, 8}."""
+against transformers on the same weights, at tp in {1, 2, 3, 4, 8}.
+
+The GGUF loads with the default quantization="auto", so its Q4_1 / Q8_0 blocks stay
+quantized and are dequantized inside the GEMM: the same weights as transformers'
+dequantized copy. The float path of the GGUF: tests/test_quantized_smollm2.py."""
 
 import numpy as np
 import pytest

@@ -20,6 +20,9 @@ from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, LazyTensor,
                                     ReplicatedLinear, RMSNorm, RowParallelLinear, ShardedParam, Stack,
                                     VocabParallelEmbedding, WeightShapeError, contiguous_rows, expand_heads,
                                     padded_vocab_size, replicated_rows)
+# --- linear methods: what a layer's weight is in memory and how its GEMM runs (docs/quantization.md) ---
+from tp_jax.parallel.layers import (GGUFBlocks, Int8, LinearMethod, QuantizationConfig, QuantizationError,
+                                    Unquantized, UnsupportedLayerError, register_quantization)
 # --- running a module under shard_map -------------------------------------------------
 from tp_jax.parallel.shard import param_specs, place, shard_module
 # --- loading a checkpoint per device: your name table + the loader ------------------------
@@ -56,6 +59,8 @@ __all__ = [
     "RMSNorm", "LayerNorm", "Stack",
     "ParallelModule", "LazyTensor", "PartRows", "ShardedParam", "WeightShapeError",
     "contiguous_rows", "replicated_rows", "expand_heads",
+    "LinearMethod", "Unquantized", "Int8", "GGUFBlocks", "QuantizationConfig", "register_quantization",
+    "QuantizationError", "UnsupportedLayerError",
     "param_specs", "place", "shard_module",
     "Entry", "WeightTable", "bind", "fill", "load_state", "MissingWeightError", "NameTableError",
     "CheckpointMismatchError", "NonFiniteWeightError", "simulate_cpu_devices",

@@ -18,6 +18,8 @@ import os
 import signal
 import sys
 
+from tp_jax.parallel.layers.quantization import quantization_choices
+
 EXIT_INTERRUPTED = 130
 
 
@@ -36,6 +38,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     "driver (or env JAX_PROCESS_ID)")
     ap.add_argument("--max-model-len", type=int, default=None, help="context length (default min(2048, the model's))")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--quantization", "-q", default="auto", choices=quantization_choices(),
+                    help="how weights are held: auto (a quantized .gguf stays quantized, else as stored), none "
+                         "(float), int8 (weight-only, per output channel), gguf (keep GGUF blocks); "
+                         "docs/quantization.md")
     ap.add_argument("--unroll-layers", action="store_true",
                     help="one array per layer, layers unrolled: faster decode on CPU, ~10x compile time per shape")
     ap.add_argument("--no-compile-cache", action="store_true",

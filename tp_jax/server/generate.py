@@ -77,7 +77,7 @@ def run(args) -> int:
     t = time.perf_counter()
     llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
               dtype=args.dtype, max_model_len=args.max_model_len, progress=is_driver(),
-              compile_cache=not args.no_compile_cache,
+              compile_cache=not args.no_compile_cache, quantization=args.quantization,
               unroll_layers=args.unroll_layers)
     stats.load_s = time.perf_counter() - t
     prompts = texts

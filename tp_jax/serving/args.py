@@ -57,6 +57,16 @@ def _dtype(name: str, value: Any) -> None:
         raise TypeError(f"LLM: {name}={value!r} must be a string: 'auto', 'float32', 'bfloat16' or 'float16'")
 
 
+def _quantization(name: str, value: Any) -> None:
+    from tp_jax.parallel.layers.quantization import quantization_choices
+    choices = quantization_choices()
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"LLM: {name}={value!r} must be one of {choices} or None, got {type(value).__name__}")
+    if value is not None and value not in choices:
+        raise ValueError(f"LLM: {name}={value!r} is not a known quantization method; choose one of {choices}, "
+                         f"or None (every weight in float)")
+
+
 def _flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"LLM: {name}={value!r} must be True or False, got {type(value).__name__}")
@@ -75,6 +85,7 @@ RULES: dict[str, Callable[[str, Any], None]] = {
     "seed": any_int,
     "progress": _flag,
     "check_weights": _flag,
+    "quantization": _quantization,
     "unroll_layers": _flag,
 }
 

@@ -63,7 +63,12 @@ class LLM:
     tp_jax/serving/compile_cache.py); attention_backend ("reference", or "jax_nn":
     jax.nn.dot_product_attention, cuDNN on GPUs); unroll_layers (True: one array per layer and
     the layers unrolled in each step, no per-layer weight copies; faster decode on XLA:CPU, about
-    10x the compile time per step shape, which the compile cache keeps; see docs/performance.md).
+    10x the compile time per step shape, which the compile cache keeps; see docs/performance.md);
+    quantization ("auto": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights stay quantized, other
+    checkpoints load as stored; "int8": weight-only int8 per output channel, quantized per
+    device at load; "gguf": keep GGUF blocks, an error if a type cannot be kept; None or
+    "none": every weight in float; see docs/quantization.md). `.quantization` says how the
+    loaded weights are held.
     """
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -73,7 +78,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
                  check_weights: bool = True, compile_cache: bool | str = True,
-                 attention_backend: str = "reference", unroll_layers: bool = False):
+                 attention_backend: str = "reference", unroll_layers: bool = False,
+                 quantization: str | None = "auto"):
         validate_llm_args(**locals())                  # types and ranges, before any work (EngineConfig: the rest)
         from tp_jax.serving import compile_cache as cache
         self.compile_cache_dir = cache.enable(compile_cache)
@@ -81,7 +87,8 @@ class LLM:
         from tp_jax.loaders.model import abstract_model, load_from_source, open_checkpoint
         self.model_path = default_model_path() if model is None else str(model)
         agree("the LLM arguments", dict(tp=tensor_parallel_size, pp=pipeline_parallel_size, dp=data_parallel_size,
-                                        dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed))
+                                        dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
+                                        quantization=quantization))
         self.mesh = build_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, devices)
         self.dtype = resolve_dtype(dtype)
         self.num_microbatches = pipeline_parallel_size if num_microbatches is None else num_microbatches
@@ -104,7 +111,9 @@ class LLM:
                       block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                       num_gpu_blocks=num_gpu_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes)
         self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress,
-                                      check_weights=check_weights)
+                                      check_weights=check_weights, quantization=quantization)
+        from tp_jax.loaders.quantize import describe_methods
+        self.quantization = describe_methods(self.model)
         if unroll_layers:
             from tp_jax.parallel.layers.stack import unstack_all
             unstack_all(self.model, self.mesh)

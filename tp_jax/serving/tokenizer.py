@@ -21,7 +21,7 @@ CACHE_ENV = "TP_JAX_TOKENIZER_CACHE"
 
 
 def load_tokenizer(path: str):
-    """The tokenizer for `path`, or None when a directory ships no tokenizer files."""
+    """The tokenizer for `path`, or None when a directory ships no tokenizer files (or a .gguf none)."""
     return _load(os.path.abspath(path), os.path.getmtime(path))
 
 
@@ -57,6 +57,8 @@ def _gguf_tokenizer(path: str):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(saved)
     tok = load_gguf_tokenizer(path)
+    if tok is None:
+        return None
     try:                                               # write beside, then rename: never a half-written copy
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-")

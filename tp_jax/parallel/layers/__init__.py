@@ -1,15 +1,23 @@
 """vLLM's parallel layers as Flax NNX modules (global params with specs, local forward).
 
 Each layer declares how its params split over tp once (`loading()` -> `ShardedParam`);
-the row-map helpers build those declarations, `Stack` scans stacked layers.
+the row-map helpers build those declarations, `Stack` scans stacked layers. A linear or
+vocab layer's weight is held by a `LinearMethod` (float, `Int8`, `GGUFBlocks`): the layer
+keeps the split and the collectives, the method the representation and the local GEMM.
 """
 
-from tp_jax.parallel.layers.base import ParallelModule
+from tp_jax.parallel.layers.base import MethodLayer, ParallelModule
+from tp_jax.parallel.layers.ggml import GGUFBlocks
+from tp_jax.parallel.layers.int8 import Int8
 from tp_jax.parallel.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
                                            RowParallelLinear)
 from tp_jax.parallel.layers.loading import (LazyTensor, PartRows, ShardedParam, WeightShapeError, contiguous_rows,
                                             expand_heads, replicated_rows)
+from tp_jax.parallel.layers.method import (DerivedParam, LinearMethod, QuantizationError, Unquantized,
+                                           UnsupportedLayerError, WeightParam)
 from tp_jax.parallel.layers.norm import LayerNorm, RMSNorm
+from tp_jax.parallel.layers.quantization import (QuantizationConfig, apply_methods, quantization_config,
+                                                 register_quantization)
 from tp_jax.parallel.layers.qkv import QKVParallelLinear
 from tp_jax.parallel.layers.stack import Stack
 from tp_jax.parallel.layers.table import Entry, WeightTable
@@ -19,4 +27,7 @@ __all__ = ["ParallelModule", "ReplicatedLinear", "ColumnParallelLinear", "Merged
            "RowParallelLinear", "QKVParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
            "ReplicatedEmbedding", "RMSNorm", "LayerNorm", "Stack", "padded_vocab_size",
            "LazyTensor", "PartRows", "ShardedParam", "WeightShapeError",
-           "contiguous_rows", "replicated_rows", "expand_heads", "Entry", "WeightTable"]
+           "contiguous_rows", "replicated_rows", "expand_heads", "Entry", "WeightTable",
+           "MethodLayer", "LinearMethod", "Unquantized", "Int8", "GGUFBlocks", "DerivedParam", "WeightParam",
+           "QuantizationError", "UnsupportedLayerError", "QuantizationConfig", "quantization_config",
+           "register_quantization", "apply_methods"]

@@ -2,13 +2,16 @@
 
 A `ParallelModule` declares each param once (`loading()` -> `ShardedParam`); `declared_param`
 creates the param from that declaration, so its PartitionSpec and padding mask are derived,
-never written a second time.
+never written a second time. A `MethodLayer` is a ParallelModule whose weight is held and
+multiplied by a `LinearMethod` (layers/method.py): the layer states the weight's split, the
+method turns that statement into its params and runs the local GEMM.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from tp_jax.parallel.layers.loading import LazyTensor, ShardedParam
+from tp_jax.parallel.layers.method import LINEAR, UNQUANTIZED, DerivedParam, LinearMethod, Unquantized, WeightParam
 
 Spec = tuple[str | None, ...]
 
@@ -76,7 +80,8 @@ class ParallelModule(nnx.Module):
         """
         out = {}
         for name, decl in self.loading().items():
-            blocks = [decl.block(r, tensors[name]) for r in range(self.tp_size)]
+            parts = tensors[decl.reads if isinstance(decl, DerivedParam) else name]
+            blocks = [decl.block(r, parts) for r in range(self.tp_size)]
             dim = decl.param_dim
             out[name] = blocks[0] if dim is None else np.concatenate(blocks, axis=dim)
         return out
@@ -95,6 +100,64 @@ class ParallelModule(nnx.Module):
 ParallelModule.__signature__ = inspect.Signature()      # an abstract base: subclasses bring the arguments
 
 
+class MethodLayer(ParallelModule):
+    """A ParallelModule with one weight W[out, in] held by a `LinearMethod` (vLLM's `quant_method`).
+
+    Subclasses set `weight_name` ("kernel", "embedding"), `weight_kind` (LINEAR / EMBEDDING),
+    `weight_transposed` (the float param is W^T, `[in, out]`), implement `statements()`
+    (`{param name: ShardedParam}` of the float layout, the weight's included: the one statement
+    of each split) and `weight_shape()` (the float weight's global shape), and call
+    `init_weight` in their constructor. `loading()` is `statements()` with the weight's entry
+    replaced by the method's params; `self.method.apply(self, x)` is the local GEMM.
+    """
+    weight_name: ClassVar[str] = "kernel"
+    weight_kind: ClassVar[str] = LINEAR
+    weight_transposed: ClassVar[bool] = True
+
+    def statements(self) -> dict[str, ShardedParam]:
+        raise NotImplementedError(f"{type(self).__name__} declares no statements()")
+
+    def weight_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError(f"{type(self).__name__} declares no weight_shape()")
+
+    def loading(self) -> dict[str, ShardedParam]:
+        decl = self.statements()
+        weight = decl.pop(self.weight_name)
+        return {**{self.weight_name + s: p.decl for s, p in self._weight_params(weight).items()}, **decl}
+
+    def _weight_params(self, weight: ShardedParam) -> dict[str, WeightParam]:
+        return self.method.params(weight, self.weight_name, self.weight_shape(), self.param_dtype)
+
+    def init_weight(self, method: LinearMethod | None, dtype, rngs: nnx.Rngs, init) -> None:
+        """Create the weight's params for `method` (None: unquantized, initialized by `init`)."""
+        self.method = UNQUANTIZED if method is None else method
+        self.param_dtype = jnp.dtype(dtype)
+        weight = self.statements()[self.weight_name]
+        self.method.check(self, weight)
+        for suffix, p in self._weight_params(weight).items():
+            setattr(self, self.weight_name + suffix, declared_param(
+                rngs, p.decl, p.shape, p.dtype, init if isinstance(self.method, Unquantized) else None))
+
+    def use_method(self, method: LinearMethod) -> None:
+        """Re-create the weight's params for `method` on a built layer (the loader does this on an abstract
+        model). Leading axes a `Stack` added (layers on pp) are kept; the new params hold zeros."""
+        weight = self.statements()[self.weight_name]
+        method.check(self, weight)
+        first = getattr(self, self.weight_name)
+        lead = first[...].ndim - len(self.weight_shape())
+        lead_shape, lead_spec = tuple(first[...].shape[:lead]), tuple(first.get_metadata()["out_sharding"][:lead])
+        for suffix in self.method.suffixes:
+            delattr(self, self.weight_name + suffix)
+        self.method = method
+        for suffix, p in self._weight_params(weight).items():
+            setattr(self, self.weight_name + suffix, nnx.Param(jnp.zeros(lead_shape + p.shape, p.dtype),
+                                                               out_sharding=lead_spec + p.decl.spec()))
+
+    def weight(self, suffix: str = "") -> jax.Array:
+        """This rank's block of the weight's param `weight_name + suffix` (inside shard_map)."""
+        return getattr(self, self.weight_name + suffix)[...]
+
+
 def declared_param(rngs: nnx.Rngs, decl: ShardedParam, shape: tuple[int, ...], dtype, init=None) -> nnx.Param:
     """An `nnx.Param` of global `shape` whose spec and padding zeros come from its declaration."""
     init = init or nnx.initializers.zeros_init()
@@ -108,7 +171,3 @@ def declared_param(rngs: nnx.Rngs, decl: ShardedParam, shape: tuple[int, ...], d
 def default_kernel_init():
     return nnx.initializers.lecun_normal()
 
-
-def local_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x[..., D] @ W[D, F] -> [..., F] in the kernel's dtype."""
-    return jnp.einsum("...d,df->...f", x.astype(kernel.dtype), kernel)

@@ -12,6 +12,10 @@ Y = X A + b with A[D, F]:
 * RowParallelLinear     A = [A_1; ...; A_p] along D: X_i[..., D/p] -> sum_i X_i A_i,
                         the only all-reduce of a dense layer; the bias is added once,
                         after the reduce.
+
+Every layer states its split once (`statements()`); the local GEMM X_i A_i is its
+`method`'s (`method=None`: the float kernel; `Int8()`, `GGUFBlocks(...)`: see layers/method.py),
+so the collectives above are the same whatever the weight is in memory.
 """
 
 from __future__ import annotations
@@ -24,25 +28,26 @@ import numpy as np
 from flax import nnx
 
 from tp_jax.parallel import collectives
-from tp_jax.parallel.layers.base import (ParallelModule, check_tp_size, declared_param, default_kernel_init,
-                                         local_matmul, split_size)
+from tp_jax.parallel.layers.base import MethodLayer, check_tp_size, declared_param, default_kernel_init, split_size
 from tp_jax.parallel.heads import HeadPlan
 from tp_jax.parallel.layers.loading import PartRows, ShardedParam, contiguous_rows, expand_heads
+from tp_jax.parallel.layers.method import LinearMethod
 from tp_jax.parallel.mesh import TP
 
 
-class _Linear(ParallelModule):
-    """Shared body: a kernel [in, out] and an optional bias [out], created from `loading()`."""
+class _Linear(MethodLayer):
+    """Shared body: a kernel [in, out] held by the layer's method, and an optional bias [out]."""
 
     def __init__(self, in_features: int, out_features: int, *, tp_size: int, bias: bool, dtype,
-                 rngs: nnx.Rngs, kernel_init=None):
+                 rngs: nnx.Rngs, kernel_init=None, method: LinearMethod | None = None):
         check_tp_size(tp_size, type(self).__name__)
         self.in_features, self.out_features, self.tp_size = in_features, out_features, tp_size
         self.use_bias = bias
-        decl = self.loading()
-        self.kernel = declared_param(rngs, decl["kernel"], (in_features, out_features), dtype,
-                                     kernel_init or default_kernel_init())
-        self.bias = declared_param(rngs, decl["bias"], (out_features,), dtype) if bias else None
+        self.init_weight(method, dtype, rngs, kernel_init or default_kernel_init())
+        self.bias = declared_param(rngs, self.statements()["bias"], (out_features,), dtype) if bias else None
+
+    def weight_shape(self) -> tuple[int, int]:
+        return self.in_features, self.out_features
 
     def _weights(self, out_rows: np.ndarray | None, in_rows: np.ndarray | None = None) -> dict[str, ShardedParam]:
         """Declarations for kernel (HF weight [out, in]) and bias (HF [out]).
@@ -71,20 +76,20 @@ class _Linear(ParallelModule):
 class ReplicatedLinear(_Linear):
     """Y = X A + b with A[D, F] on every rank (no collective).
 
-    Args: `in_features`, `out_features`, `tp_size`, `bias`, `dtype`, `rngs`, `kernel_init`.
-    Checkpoint parts: "weight" `[F, D]`, "bias" `[F]`.
+    Args: `in_features`, `out_features`, `tp_size`, `bias`, `dtype`, `rngs`, `kernel_init`, `method`
+    (a `LinearMethod`; None: the float kernel). Checkpoint parts: "weight" `[F, D]`, "bias" `[F]`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_size: int = 1, bias: bool = True,
-                 dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None):
+                 dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None, method: LinearMethod | None = None):
         super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, dtype=dtype, rngs=rngs,
-                         kernel_init=kernel_init)
+                         kernel_init=kernel_init, method=method)
 
-    def loading(self):
+    def statements(self):
         return self._weights(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = local_matmul(x, self.kernel[...])
+        y = self.method.apply(self, x)
         return y + self.bias[...] if self.bias is not None else y
 
 
@@ -96,24 +101,26 @@ class ColumnParallelLinear(_Linear):
       tp_size: the mesh's tp size. bias: add b[F] (split like F).
       gather_output: all-gather the output to [..., F].
       dtype, rngs, kernel_init: param dtype, `nnx.Rngs`, kernel initializer.
+      method: the weight's `LinearMethod` (None: the float kernel).
     Checkpoint parts: "weight" `[F, D]`, "bias" `[F]`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_size: int = 1, bias: bool = True,
-                 gather_output: bool = False, dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None):
+                 gather_output: bool = False, dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None,
+                 method: LinearMethod | None = None):
         self.out_local = split_size(out_features, tp_size, "out_features", type(self).__name__)
         self.gather_output = gather_output
         super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, dtype=dtype, rngs=rngs,
-                         kernel_init=kernel_init)
+                         kernel_init=kernel_init, method=method)
 
-    def loading(self):
+    def statements(self):
         return self._weights(self._out_rows())
 
     def _out_rows(self) -> np.ndarray:
         return contiguous_rows(self.out_features, self.tp_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = local_matmul(x, self.kernel[...])            # [..., F_local]
+        y = self.method.apply(self, x)                   # [..., F_local]
         if self.bias is not None:
             y = y + self.bias[...]
         return collectives.all_gather(y, TP, dim=-1) if self.gather_output else y
@@ -127,20 +134,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     `gather_output` the parts come back whole and in order, as if the layers had not been fused.
 
     Args: `in_features` D, `output_sizes` (tp must divide each), `tp_size`, `bias`,
-    `gather_output`, `dtype`, `rngs`, `kernel_init`.
+    `gather_output`, `dtype`, `rngs`, `kernel_init`, `method`.
     """
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], *, tp_size: int = 1,
                  bias: bool = True, gather_output: bool = False, dtype=jnp.float32, rngs: nnx.Rngs,
-                 kernel_init=None):
+                 kernel_init=None, method: LinearMethod | None = None):
         name = type(self).__name__
         self.output_sizes = tuple(int(s) for s in output_sizes)
         self.local_sizes = tuple(split_size(s, tp_size, f"output_sizes[{i}]", name)
                                  for i, s in enumerate(self.output_sizes))
         super().__init__(in_features, sum(self.output_sizes), tp_size=tp_size, bias=bias,
-                         gather_output=gather_output, dtype=dtype, rngs=rngs, kernel_init=kernel_init)
+                         gather_output=gather_output, dtype=dtype, rngs=rngs, kernel_init=kernel_init,
+                         method=method)
 
-    def loading(self):
+    def statements(self):
         kernel, bias = {}, {}
         for i, size in enumerate(self.output_sizes):
             rows = contiguous_rows(size, self.tp_size)
@@ -156,7 +164,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return jnp.split(y, np.cumsum(self.local_sizes)[:-1], axis=-1)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = local_matmul(x, self.kernel[...])
+        y = self.method.apply(self, x)
         if self.bias is not None:
             y = y + self.bias[...]
         if not self.gather_output or self.tp_size == 1:
@@ -179,13 +187,16 @@ class RowParallelLinear(_Linear):
       in_rows: [tp, D/tp] checkpoint input columns each rank holds (-1 = a zero row), e.g.
         o_proj under a head plan with padded heads (see `over_heads`).
       hf_in_features: the checkpoint weight's input size when it differs from D (padding).
+      method: the weight's `LinearMethod` (None: the float kernel); per-output-channel scales
+        are whole on every rank here, since every rank holds every output channel.
     Checkpoint parts: "weight" `[F, hf_in_features]`, "bias" `[F]`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_size: int = 1, bias: bool = True,
                  input_is_parallel: bool = True, reduce_results: bool = True,
                  reduce_strategy: str = "psum", in_rows: np.ndarray | None = None,
-                 hf_in_features: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None):
+                 hf_in_features: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None,
+                 method: LinearMethod | None = None):
         name = type(self).__name__
         self.in_local = split_size(in_features, tp_size, "in_features", name)
         if reduce_strategy not in collectives.STRATEGIES:
@@ -200,7 +211,7 @@ class RowParallelLinear(_Linear):
         self.in_rows = None if in_rows is None else tuple(map(tuple, np.asarray(in_rows).tolist()))
         self.hf_in_features = in_features if hf_in_features is None else hf_in_features
         super().__init__(in_features, out_features, tp_size=tp_size, bias=bias, dtype=dtype, rngs=rngs,
-                         kernel_init=kernel_init)
+                         kernel_init=kernel_init, method=method)
 
     @classmethod
     def over_heads(cls, plan: HeadPlan, head_dim: int, out_features: int, **kwargs) -> RowParallelLinear:
@@ -217,7 +228,7 @@ class RowParallelLinear(_Linear):
     def _hf_in(self) -> int:
         return self.hf_in_features
 
-    def loading(self):
+    def statements(self):
         in_rows = np.asarray(self.in_rows) if self.in_rows is not None else contiguous_rows(self.in_features,
                                                                                             self.tp_size)
         return self._weights(None, in_rows)
@@ -226,7 +237,7 @@ class RowParallelLinear(_Linear):
         if not self.input_is_parallel and self.tp_size > 1:
             start = collectives.axis_index(TP) * self.in_local
             x = jax.lax.dynamic_slice_in_dim(x, start, self.in_local, axis=-1)
-        y = local_matmul(x, self.kernel[...])             # partial sum [..., F]
+        y = self.method.apply(self, x)                   # partial sum [..., F]
         if self.reduce_results:
             y = collectives.all_reduce(y, TP, self.reduce_strategy)
             return y + self.bias[...] if self.bias is not None else y

@@ -14,6 +14,7 @@ from flax import nnx
 from tp_jax.parallel.heads import HeadPlan, plan_heads
 from tp_jax.parallel.layers.linear import ColumnParallelLinear
 from tp_jax.parallel.layers.loading import PartRows, ShardedParam, expand_heads
+from tp_jax.parallel.layers.method import LinearMethod
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -22,23 +23,23 @@ class QKVParallelLinear(ColumnParallelLinear):
     Args:
       hidden_size: D. head_dim: hd. num_heads, num_kv_heads: query and KV heads (None: MHA).
       tp_size: the mesh's tp size; the head plan (`.plan`, `plan_heads`) pads or replicates
-        heads so any tp works. bias: q/k/v biases. dtype, rngs, kernel_init: as for linear layers.
+        heads so any tp works. bias: q/k/v biases. dtype, rngs, kernel_init, method: as for linear layers.
     Checkpoint parts: "q" `[num_heads*hd, D]`, "k" and "v" `[num_kv_heads*hd, D]` (and the
     biases); a fused q|k|v tensor feeds them through name-table entries with row offsets.
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int | None = None,
                  *, tp_size: int = 1, bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs,
-                 kernel_init=None):
+                 kernel_init=None, method: LinearMethod | None = None):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         self.plan: HeadPlan = plan_heads(num_heads, num_kv_heads, tp_size)
         self.q_local, self.kv_local = self.plan.q_local, self.plan.kv_local
         local = (self.q_local + 2 * self.kv_local) * head_dim
         super().__init__(hidden_size, tp_size * local, tp_size=tp_size, bias=bias, gather_output=False,
-                         dtype=dtype, rngs=rngs, kernel_init=kernel_init)
+                         dtype=dtype, rngs=rngs, kernel_init=kernel_init, method=method)
 
-    def loading(self):
+    def statements(self):
         hd, d = self.head_dim, self.in_features
         rows = {"q": (self.num_heads, expand_heads(self.plan.q_heads, hd)),
                 "k": (self.num_kv_heads, expand_heads(self.plan.kv_heads, hd)),

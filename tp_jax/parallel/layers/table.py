@@ -112,6 +112,17 @@ class TensorView:
         out = self[...]
         return out if dtype is None else out.astype(dtype)
 
+    @property
+    def quant_type(self) -> str | None:
+        """The stored tensor's GGUF type ("Q4_1", "F32", ...), None for a plain float tensor."""
+        return getattr(self.tensor, "quant_type", None)
+
+    def blocks(self) -> TensorView:
+        """The stored tensor's raw quant blocks `[rows, in/32, bytes]`, over the same rows as this view."""
+        if self.transposed:
+            raise ValueError("a tensor stored [in, out] has no row blocks: its quant blocks run along the output")
+        return TensorView(self.tensor.blocks(), "out_in", self.offset, self.shape[0])
+
 
 def _slices(index, shape: tuple[int, ...]) -> list[slice]:
     """A numpy index of contiguous slices (or Ellipsis) as one slice per dimension."""

@@ -1,0 +1,109 @@
+"""Choosing each layer's linear method for a checkpoint, before any tensor byte is read.
+
+    plan_methods(model, table, source, num_layers, quantization) -> {module path: LinearMethod}
+
+`quantization`: None or "none" (every weight float, as stored or dequantized), a registered name
+("int8", "gguf"; `tp_jax.parallel.layers.quantization`), or "auto": "gguf" when the
+checkpoint is a GGUF file whose linear or vocab weights are quantized, else None. Under
+"auto" a layer that cannot be kept quantized (a type not kept: K-quants, Q5_*; a tp that
+cuts its 32-element blocks) loads dequantized to float, with one warning naming those
+layers; naming "gguf" explicitly makes each of them an error.
+
+Every problem is found here, from headers only, and reported at once with the param
+paths: an unknown name, a GGUF type not kept, mixed types within one param, a method that
+cannot hold a layer (e.g. a row split that cuts through 32-element blocks).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+from flax import nnx
+
+from tp_jax.loaders.bind import Binding, as_table, bind
+from tp_jax.parallel.layers import Entry, MethodLayer, WeightTable
+from tp_jax.parallel.layers.method import LinearMethod, QuantizationError, Unquantized
+from tp_jax.parallel.layers.quantization import AUTO, FLOAT_TYPES, NONE, quantization_config
+
+
+def plan_methods(model: nnx.Module, table: WeightTable | Sequence[Entry], source, num_layers: int,
+                 quantization: str | None) -> dict[str, LinearMethod]:
+    """{dotted module path: method} for the layers `quantization` quantizes (empty: all float)."""
+    if quantization is None or quantization == NONE:
+        return {}
+    weights = _weight_bindings(model, table)
+    if quantization == AUTO:
+        return _auto(weights, source, num_layers)
+    return _strict(quantization, weights, source, num_layers)
+
+
+def _weight_bindings(model, table) -> list[Binding]:
+    """The bindings of the weights a method holds (a MethodLayer's weight param, one per layer)."""
+    return [b for b in bind(model, as_table(table))
+            if isinstance(b.module, MethodLayer) and b.name == b.module.weight_name]
+
+
+def _tensors(b: Binding, source, num_layers: int) -> dict:
+    """Checkpoint tensor name -> its lazy view, for every layer and part filling `b` (headers only)."""
+    out = {}
+    for layer in (range(num_layers) if b.stacked else [None]):
+        names = b.tensor_names(layer)
+        if all(n in source for n in names.values()):           # missing ones: check_source names them
+            out.update({names[p]: v for p, v in b.tensors(source, layer).items()})
+    return out
+
+
+def _plan(name: str, weights: list[Binding], source, num_layers: int) -> tuple[dict[str, LinearMethod], list[str]]:
+    """({module path: method}, problems): each problem names a param the configuration cannot hold, and why."""
+    config = quantization_config(name)
+    plan, problems = {}, []
+    for b in weights:
+        module_path = b.path.rsplit(".", 1)[0]
+        try:
+            method = config.method_for(b.module, _tensors(b, source, num_layers))
+            if method is not None and not isinstance(method, Unquantized):
+                method.check(b.module, b.module.statements()[b.module.weight_name])
+                plan[module_path] = method
+        except QuantizationError as e:
+            problems.append(f"{b.path}: {e}")
+    return plan, problems
+
+
+def _strict(name: str, weights: list[Binding], source, num_layers: int) -> dict[str, LinearMethod]:
+    """A named quantization: every problem is an error, all of them listed in one message."""
+    plan, problems = _plan(name, weights, source, num_layers)
+    if problems:
+        raise QuantizationError(f"quantization={name!r} cannot load this checkpoint ({_count(problems)}):"
+                                f"{_listing(problems)}")
+    return plan
+
+
+def _auto(weights: list[Binding], source, num_layers: int) -> dict[str, LinearMethod]:
+    """"gguf" for a GGUF file with quantized weights, else {}: a layer it cannot keep loads dequantized to
+    float, with one warning naming those layers and why."""
+    quantized = any(getattr(t, "quant_type", None) not in (None, *FLOAT_TYPES)
+                    for b in weights for t in _tensors(b, source, num_layers).values())
+    if not quantized:
+        return {}
+    plan, problems = _plan("gguf", weights, source, num_layers)
+    if problems:
+        warnings.warn(f"quantization='auto': {_count(problems)} loaded dequantized to float instead of kept "
+                      f"quantized:{_listing(problems)}", stacklevel=3)
+    return plan
+
+
+def _count(problems: list[str]) -> str:
+    return f"{len(problems)} param{'s' * (len(problems) > 1)}"
+
+
+def _listing(problems: list[str], shown: int = 5) -> str:
+    more = f"\n  ... and {len(problems) - shown} more" if len(problems) > shown else ""
+    return "\n  " + "\n  ".join(problems[:shown]) + more
+
+
+def describe_methods(model: nnx.Module) -> str:
+    """How a loaded model holds its weights: "gguf Q4_1, gguf Q8_0", "int8", or "none" (all float)."""
+    labels = {node.method.label for _, node in nnx.iter_graph(model)
+              if isinstance(node, MethodLayer) and not isinstance(node.method, Unquantized)}
+    return ", ".join(sorted(labels)) or "none"

@@ -1,0 +1,94 @@
+"""Int8: weight-only int8, symmetric, one scale per output channel, quantized per device slice at load.
+
+W[out, in] ≈ Q * s[:, None] with s[o] = max_i |W[o, i]| / 127 and Q = round(W / s) in
+[-127, 127]. The params, derived from the layer's one statement of its split:
+
+    <weight>        int8 [out, in] like the checkpoint (a kernel's rows are its output channels)
+    <weight>_scale  float32 [out]: split with the output rows on a column layer and a vocab
+                    table; whole on a row layer (every rank holds every output channel)
+
+A scale is the max over the *whole* row, whatever the split, so every tp gives the same Q
+and s (a row layer's rank reads its rows whole, one chunk at a time, and keeps its
+columns). Loading reads a rank's rows in chunks of about `CHUNK_BYTES` of float32, so no
+float copy of a whole tensor exists at any time. The GEMM: y = (x Q^T) * s, the scale
+applied to the output (exact for per-output-channel scales), Q converted one tile of rows
+at a time (`tiled_matmul`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+
+from tp_jax.parallel.layers.loading import LazyTensor, ShardedParam, check_shape, take_rows
+from tp_jax.parallel.layers.method import DerivedParam, LinearMethod, WeightParam, out_in, tiled_matmul
+
+QMAX = 127
+CHUNK_BYTES = 16 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8(LinearMethod):
+    """Weight-only int8 with per-output-channel float32 scales (see the module docstring)."""
+    name: ClassVar[str] = "int8"
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        return ("", "_scale")
+
+    def params(self, weight, name, shape, dtype):
+        out, inp = out_in(weight, shape)
+        values = DerivedParam(weight.parts, weight.split, False, reads=name, dim=weight.split, param_ndim=2,
+                              make=lambda r, t, n: per_channel_block(weight, r, t, n, int8_rows, "values"))
+        scale = DerivedParam(weight.parts, weight.split, False, reads=name,
+                             dim=0 if weight.split == 0 else None, param_ndim=1,
+                             make=lambda r, t, n: per_channel_block(weight, r, t, n, int8_rows, "scale"))
+        return {"": WeightParam(values, (out, inp), np.dtype(np.int8)),
+                "_scale": WeightParam(scale, (out,), np.dtype(np.float32))}
+
+    def apply(self, layer, x):
+        dt = layer.param_dtype
+        return tiled_matmul(x, [layer.weight()], lambda q: q, dt) * layer.weight("_scale").astype(dt)
+
+    def embed(self, layer, ids):
+        dt = layer.param_dtype
+        rows = jnp.take(layer.weight(), ids, axis=0).astype(dt)          # [..., D]
+        return rows * jnp.take(layer.weight("_scale"), ids, axis=0)[..., None].astype(dt)
+
+
+def per_channel_block(weight: ShardedParam, rank: int, tensors: Mapping[str, LazyTensor], names: Mapping[str, str],
+                      quantize_rows: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], want: str) -> np.ndarray:
+    """Rank `rank`'s block of a per-output-channel quantization of the weight `weight` declares:
+    `want="values"` [out_local, in_local] or `want="scale"` [out_local].
+
+    `quantize_rows(rows)`: float32 `[c, in]` whole rows -> (values `[c, in]`, scales `[c]`).
+    Each part's output rows of this rank are read whole (every input column) in chunks of
+    about `CHUNK_BYTES`, so a scale always sees its full row and no float copy of a whole
+    tensor exists; a row split then keeps the rank's input columns of the values.
+    """
+    out = []
+    for part, spec in weight.parts.items():
+        t = tensors[part]
+        check_shape(names.get(part, part), tuple(t.shape), spec.hf_shape)
+        out_rows = spec.rows[rank] if weight.split == 0 else np.arange(spec.hf_shape[0])
+        cols = spec.rows[rank] if weight.split == 1 else None
+        per_chunk = max(1, CHUNK_BYTES // (4 * spec.hf_shape[1]))
+        for start in range(0, len(out_rows), per_chunk):
+            slab = np.asarray(take_rows(t, out_rows[start:start + per_chunk], 0), np.float32)  # zeros: padding
+            values, scale = quantize_rows(slab)
+            out.append(scale if want == "scale" else values if cols is None else take_rows(values, cols, 1))
+    return np.concatenate(out, axis=0)
+
+
+def int8_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [c, in] -> (Q int8 [c, in], s float32 [c]): s = max|row| / 127, Q = round(row / s)."""
+    with np.errstate(invalid="ignore"):
+        scale = np.abs(rows).max(axis=1) / np.float32(QMAX)   # NaN stays NaN: the loader's finite check names it
+    ok = (scale > 0) & np.isfinite(scale)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(ok[:, None], np.rint(rows / np.where(ok, scale, 1)[:, None]), 0)
+    return np.clip(q, -QMAX, QMAX).astype(np.int8), scale

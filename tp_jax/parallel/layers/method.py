@@ -1,0 +1,205 @@
+"""Linear methods (vLLM's `quant_method`): what a layer's weight is in memory and how its local GEMM runs.
+
+The split of responsibilities, as in vLLM's `LinearBase.quant_method`:
+
+* the **layer** owns the split: its one statement of the weight W[out, in] (a
+  `ShardedParam` over the checkpoint parts: which rows or columns each tp rank takes), its
+  shapes, and its collectives (the row-parallel all-reduce, the column all-gather);
+* the **method** owns the weight's representation: the params standing for W (one float
+  kernel; int8 values + per-channel scales; GGUF blocks + scales), each *derived* from the
+  layer's statement (so scales split with a column layer's output rows and are whole on a
+  row layer, where every rank holds every output channel), how one rank's block of each is
+  built from the checkpoint tensors, and the local GEMM `apply(layer, x)`.
+
+A method is a small frozen dataclass, shared by every layer it serves; it holds no arrays.
+The methods: `Unquantized` (here: today's float kernel, bit for bit), `Int8`
+(layers/int8.py) and `GGUFBlocks` (layers/ggml.py). Named configurations ("int8", "gguf")
+that pick a method per layer live in layers/quantization.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tp_jax.parallel.layers.loading import LazyTensor, ShardedParam
+from tp_jax.parallel.mesh import TP
+
+LINEAR, EMBEDDING = "linear", "embedding"          # the kinds of weight a layer holds
+
+
+class QuantizationError(ValueError):
+    """A quantization request that cannot be met: an unknown method, a checkpoint type it cannot keep."""
+
+
+class UnsupportedLayerError(QuantizationError):
+    """A method asked to hold a weight it cannot (a layer kind it does not serve, a split it cannot follow)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DerivedParam(ShardedParam):
+    """A param a method derives from a layer's weight statement (quantized values, scales, ...).
+
+    It keeps the statement's checkpoint parts and split (so the loader checks the same
+    tensors, names and shapes) and adds what differs: the param whose name-table entries
+    feed it (`reads`, the layer's weight name), the param's own dimension divided over tp
+    (`dim`, None: every rank holds it whole), its rank (`param_ndim`), and `make(rank,
+    tensors, names)`, which builds one rank's block from the parts' lazy tensors.
+    """
+    reads: str = ""
+    dim: int | None = None
+    param_ndim: int = 2
+    make: Callable[..., np.ndarray] | None = None
+
+    @property
+    def param_dim(self) -> int | None:
+        return self.dim
+
+    def spec(self) -> tuple[str | None, ...]:
+        return tuple(TP if i == self.dim else None for i in range(self.param_ndim))
+
+    def padding_mask(self, shape):
+        return None                     # `make` writes the zeros of padding rows itself
+
+    def block(self, rank: int, tensors: Mapping[str, LazyTensor], names: Mapping[str, str] | None = None):
+        missing = [p for p in self.parts if p not in tensors]
+        if missing:
+            raise KeyError(f"missing weight part(s) {missing}; this param needs {list(self.parts)}")
+        return self.make(rank, tensors, names or {})
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightParam:
+    """One param a method creates for a weight: its declaration, global shape and dtype."""
+    decl: ShardedParam
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+class LinearMethod:
+    """The interface. A method is a frozen dataclass (hashable: it is static graph data in NNX).
+
+    Class attributes: `name` (for messages), `kinds` (the layer kinds it serves: LINEAR for
+    the Column/Row/QKV/Replicated layers, EMBEDDING for the vocab-parallel embedding and LM
+    head). A layer calls, with its weight name (`layer.weight_name`, "kernel" or "embedding"):
+
+    * `suffixes`: the params it creates, as suffixes of the weight name ("" is the weight
+      name itself: "kernel", "kernel_scale", ...);
+    * `check(layer, weight)`: raise `UnsupportedLayerError` (naming the layer and the fix)
+      when it cannot hold this layer's weight; called before any param is created;
+    * `params(weight, name, shape, dtype)`: {suffix: WeightParam}, each declared from the
+      layer's one statement `weight` (HF layout `[out, in]`, parts, split) for a float
+      param of global `shape` and `dtype` (the layer's unquantized kernel or table);
+    * `apply(layer, x)`: x[..., in_local] -> [..., out_local], this rank's GEMM (no bias, no
+      collective: those are the layer's);
+    * `embed(layer, ids)`: rows W[ids] -> [..., in] (EMBEDDING kind only).
+    """
+    name: ClassVar[str] = "?"
+    kinds: ClassVar[tuple[str, ...]] = (LINEAR, EMBEDDING)
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def check(self, layer, weight: ShardedParam) -> None:
+        if layer.weight_kind not in self.kinds:
+            raise UnsupportedLayerError(
+                f"{self.describe()} does not support {describe_layer(layer)}: it serves {list(self.kinds)} layers; "
+                f"leave this layer unquantized")
+
+    def params(self, weight: ShardedParam, name: str, shape: tuple[int, ...], dtype) -> dict[str, WeightParam]:
+        raise NotImplementedError
+
+    def apply(self, layer, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def embed(self, layer, ids: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        """How reports name the method ("int8", "gguf Q4_1")."""
+        return self.name
+
+    def describe(self) -> str:
+        return f"quantization method {self.label!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Unquantized(LinearMethod):
+    """The float weight as the layer declares it: one param, `local_matmul` / `jnp.take` (today's code)."""
+    name: ClassVar[str] = "none"
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        return ("",)
+
+    def params(self, weight, name, shape, dtype):
+        return {"": WeightParam(weight, tuple(shape), dtype)}
+
+    def apply(self, layer, x):
+        w = layer.weight()
+        if layer.weight_transposed:                            # kernel [in, out]
+            return local_matmul(x, w)
+        return jnp.einsum("...d,vd->...v", x.astype(w.dtype), w)   # table [out, in]
+
+    def embed(self, layer, ids):
+        return jnp.take(layer.weight(), ids, axis=0)
+
+
+UNQUANTIZED = Unquantized()
+
+
+def local_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x[..., D] @ W[D, F] -> [..., F] in the kernel's dtype."""
+    return jnp.einsum("...d,df->...f", x.astype(kernel.dtype), kernel)
+
+
+TILE_BYTES = 2 * 2**20         # float bytes of one dequantized tile: stays in cache, and its buffer is reused
+
+
+def tiled_matmul(x: jax.Array, arrays: Sequence[jax.Array], dequantize: Callable[..., jax.Array], dtype) -> jax.Array:
+    """x[..., in] @ W^T -> [..., out], W[out, in] = dequantize(*arrays) rebuilt one tile of output rows at a time.
+
+    Every array is [out, ...] (quantized values, scales). A tile of ~`TILE_BYTES` of float
+    is dequantized, multiplied and dropped, so the float weight never exists whole: on CPU
+    that is what makes a quantized GEMM as fast as a float one (a whole fresh float copy
+    costs more than the product), and a fused kernel would do the same in registers.
+    """
+    out, inp = arrays[0].shape[0], x.shape[-1]
+    n = num_tiles(out, inp * jnp.dtype(dtype).itemsize)
+    xs = x.reshape(-1, inp).astype(dtype)                                 # [M, in]
+
+    def tile(parts) -> jax.Array:                                          # [M, out / n]
+        return jnp.einsum("md,fd->mf", xs, dequantize(*parts).astype(dtype))
+
+    if n == 1:
+        y = tile(arrays)
+    else:
+        y = jax.lax.map(tile, [a.reshape(n, out // n, *a.shape[1:]) for a in arrays])   # [n, M, out / n]
+        y = jnp.moveaxis(y, 0, 1).reshape(-1, out)
+    return y.reshape(*x.shape[:-1], out)
+
+
+def num_tiles(rows: int, row_bytes: int) -> int:
+    """The fewest tiles of whole rows, dividing `rows` evenly, with at most ~TILE_BYTES each."""
+    want = max(1, -(-rows * row_bytes // TILE_BYTES))
+    return next(n for n in range(want, rows + 1) if rows % n == 0)
+
+
+def out_in(weight: ShardedParam, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(out, in) of a float param of global `shape` declared by `weight` (kernels are stored [in, out])."""
+    return (shape[1], shape[0]) if weight.transpose else (shape[0], shape[1])
+
+
+def describe_layer(layer) -> str:
+    """`ColumnParallelLinear(in=576, out=1536, tp=2)`: a layer as error messages name it."""
+    fields = [f"{k}={getattr(layer, a)}" for k, a in (("in", "in_features"), ("out", "out_features"),
+                                                       ("vocab", "num_embeddings"), ("dim", "features"),
+                                                       ("tp", "tp_size")) if hasattr(layer, a)]
+    return f"{type(layer).__name__}({', '.join(fields)})"

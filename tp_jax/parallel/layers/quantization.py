@@ -1,0 +1,112 @@
+"""Named quantizations (vLLM's `QuantizationConfig`): which `LinearMethod` each layer of a model gets.
+
+    quantization_config("int8" | "gguf") -> a config; QuantizationError listing the names
+    quantization_choices()               -> what `LLM(quantization=...)` and `--quantization` accept
+    config.method_for(layer, tensors)    -> the layer's method, or None (the layer stays float)
+    apply_methods(model, plan)           -> swap methods on a built (abstract) model by module path
+    register_quantization(name, cls)     -> add a named configuration
+
+`tensors` are the checkpoint tensors that fill the layer's weight (every layer of a
+stacked param, every part of a fused one), as lazy tensors: a configuration may read their
+metadata (a GGUF tensor's `quant_type`), never their data. Layers that hold no
+`LinearMethod` (norms, position tables) are never asked and stay float.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+from flax import nnx
+
+from tp_jax.parallel.layers.ggml import KEPT, GGUFBlocks
+from tp_jax.parallel.layers.int8 import Int8
+from tp_jax.parallel.layers.loading import LazyTensor
+from tp_jax.parallel.layers.method import LinearMethod, QuantizationError
+
+FLOAT_TYPES = ("F32", "F16", "BF16")          # GGUF tensor types that load as float
+AUTO, NONE = "auto", "none"                   # the names that are no configuration: pick by checkpoint; float
+
+
+class QuantizationConfig:
+    """Picks each layer's method. Subclasses set `name` and implement `method_for`."""
+    name: ClassVar[str] = "?"
+
+    def method_for(self, layer, tensors: Mapping[str, LazyTensor]) -> LinearMethod | None:
+        """The method for `layer`, whose weight is filled by `tensors` (name -> lazy tensor); None: float."""
+        raise NotImplementedError
+
+
+class Int8Config(QuantizationConfig):
+    """`Int8` for every layer kind it serves (linear layers, vocab tables), from any float checkpoint."""
+    name: ClassVar[str] = "int8"
+
+    def method_for(self, layer, tensors):
+        return Int8() if layer.weight_kind in Int8.kinds else None
+
+
+class GGUFConfig(QuantizationConfig):
+    """`GGUFBlocks(type)` where a GGUF file stores the weight as Q8_0 / Q4_0 / Q4_1; float tensors stay float."""
+    name: ClassVar[str] = "gguf"
+
+    def method_for(self, layer, tensors):
+        types = {n: getattr(t, "quant_type", None) for n, t in tensors.items()}
+        plain = sorted(n for n, q in types.items() if q is None)
+        if plain:
+            raise QuantizationError(f"quantization='gguf' keeps the blocks of a .gguf file's tensors; {plain[0]!r} "
+                                    f"is not a GGUF tensor (use quantization='int8', or None)")
+        if set(types.values()) <= set(FLOAT_TYPES):
+            return None
+        for n, q in sorted(types.items()):
+            if q not in KEPT and q not in FLOAT_TYPES:
+                raise QuantizationError(
+                    f"tensor {n!r} has GGUF quant type {q}, which tp_jax does not keep quantized (kept: "
+                    f"{', '.join(KEPT)}); load with quantization=None to dequantize it to float")
+        kinds = sorted(set(types.values()))
+        if len(kinds) > 1:
+            first = {q: next(n for n, t in sorted(types.items()) if t == q) for q in kinds}
+            raise QuantizationError(
+                f"the tensors of one param mix GGUF types {first} (a param stacks every layer and fuses "
+                f"q/k/v or gate/up, so it holds one type); load with quantization=None to dequantize them")
+        stored_in_out = sorted(n for n, t in tensors.items() if getattr(t, "transposed", False))
+        if stored_in_out:
+            raise QuantizationError(f"tensor {stored_in_out[0]!r} is stored [in, out]; GGUF blocks run along "
+                                    f"the input of an [out, in] weight; load with quantization=None")
+        return GGUFBlocks(kinds[0])
+
+
+QUANTIZATIONS: dict[str, type[QuantizationConfig]] = {"int8": Int8Config, "gguf": GGUFConfig}
+
+
+def register_quantization(name: str, config: type[QuantizationConfig]) -> None:
+    """Make `LLM(..., quantization=name)` use `config` (a QuantizationConfig subclass)."""
+    if name in (AUTO, NONE):
+        raise ValueError(f"register_quantization: {name!r} is reserved ('auto': picked by the checkpoint, "
+                         f"'none': float); choose another name")
+    if not (isinstance(config, type) and issubclass(config, QuantizationConfig)):
+        raise TypeError(f"register_quantization({name!r}, ...): expected a QuantizationConfig subclass, got {config!r}")
+    QUANTIZATIONS[name] = config
+
+
+def quantization_choices() -> list[str]:
+    """"auto", "none" and every registered name, as `LLM(quantization=...)` and `--quantization` accept them."""
+    return [AUTO, NONE, *sorted(QUANTIZATIONS)]
+
+
+def quantization_config(name: str) -> QuantizationConfig:
+    """The configuration registered as `name`, or QuantizationError naming the choices."""
+    if name not in QUANTIZATIONS:
+        raise QuantizationError(f"unknown quantization method {name!r}; choose one of {quantization_choices()} "
+                                f"(or None: every weight in float)")
+    return QUANTIZATIONS[name]()
+
+
+def apply_methods(model: nnx.Module, plan: Mapping[str, LinearMethod]) -> None:
+    """`layer.use_method(method)` for each dotted module path of `plan` (e.g. "model.layers.layers.mlp.down_proj")."""
+    found = {".".join(map(str, path)): node for path, node in nnx.iter_graph(model)
+             if ".".join(map(str, path)) in plan}
+    missing = sorted(set(plan) - set(found))
+    if missing:
+        raise KeyError(f"apply_methods: no module at {missing[:3]} in {type(model).__name__}")
+    for path, node in found.items():
+        node.use_method(plan[path])

@@ -7,7 +7,8 @@
 The directory is `$TP_JAX_COMPILE_CACHE` if set (a path; "0", "off" or "false" turn the
 cache off), else `$XDG_CACHE_HOME/tp_jax/xla` (default `~/.cache/tp_jax/xla`). Programs that
 took at least `min_compile_s` to compile are stored (JAX keys them by the program, the
-devices and the compiler flags, so a changed model or mesh never reads a stale entry).
+devices and the compiler flags, so a changed model or mesh never reads a stale entry);
+JAX's own `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`, when set, replaces that threshold.
 `LLM(compile_cache=...)` and the scripts' `--no-compile-cache` call this; the first call in a
 process decides.
 """
@@ -43,6 +44,7 @@ def enable(path: str | bool | None = True, min_compile_s: float = 0.5) -> str | 
         raise ValueError(f"compile cache directory {directory!r} cannot be created ({e}); set {ENV} to a writable "
                          f"directory, or to 0 to turn the cache off") from None
     jax.config.update("jax_compilation_cache_dir", directory)
+    min_compile_s = float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", min_compile_s))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _state["dir"] = directory

@@ -1,5 +1,5 @@
 """Per-device loading: each device's block of each param, read from a weight source and placed
-with `jax.make_array_from_callback` (docs/design.md, "Per-device loading").
+one device at a time (docs/design.md, "Per-device loading").
 
 A *source* has `keys()`, `__contains__` and `get(name) -> lazy tensor` (`.shape` and
 numpy slicing): safetensors, GGUF and Orbax readers all qualify. The param's own layer
@@ -78,13 +78,31 @@ def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map
         if not b.stacked:
             return one(rank, None)
         local = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape))
-        layers = [layer_map[j] for j in range(*index[0].indices(shape[0]))]
-        return np.stack([one(rank, layer) if layer >= 0 else np.zeros(local[1:], dtype) for layer in layers])
+        out = np.zeros(local, dtype)                   # filled layer by layer: no list of layers, no stack copy
+        for j, layer in enumerate(layer_map[i] for i in range(*index[0].indices(shape[0]))):
+            if layer >= 0:
+                out[j] = one(rank, layer)
+        return out
 
-    sharding = NamedSharding(mesh, spec)
-    if not sharding.addressable_devices:      # a process outside the mesh reads nothing (JAX would still
-        return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)  # read replicated ones)
-    return jax.make_array_from_callback(shape, sharding, block)
+    return _place(shape, NamedSharding(mesh, spec), block, dtype)
+
+
+def _place(shape: tuple[int, ...], sharding: NamedSharding, block, dtype) -> jax.Array:
+    """The global array from `block(index)`, one device at a time: each host block is put on its device
+    and dropped before the next is read (`jax.make_array_from_callback` holds every device's block at
+    once: a whole param in host memory), and a block several devices share is read once, then copied."""
+    arrays, done = [], {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop) for s in index)
+        if key in done:
+            arrays.append(jax.device_put(done[key], device))
+            continue
+        host = block(index)
+        done[key] = jax.device_put(host, device)
+        del host
+        jax.block_until_ready(done[key])               # the host block is freed before the next one is read
+        arrays.append(done[key])
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
 
 
 def load_state(model: nnx.Module, mesh: Mesh, source, table: WeightTable | Sequence[Entry], num_layers: int, dtype,

@@ -11,8 +11,10 @@ every param is on its device (for GGUF this includes dequantizing on the fly); `
 is the CPU time of that step (all threads), steadier than wall time on a shared machine;
 `warm_load_s` is a second load in the same process, without jax's one-time costs (tracing
 the model's shapes), so closer to the source's own cost. Peak RSS is taken before it.
-`baseline_rss_mib` is RSS after imports and jax start; `placed_mib` is the bytes of the
-placed params (on CPU the simulated devices live in host memory, so these are in RSS too).
+`baseline_rss_mib` is RSS after imports and jax start, transformers' config module (and torch,
+which it imports when installed) included: `imports_mib` is what those two added, a fixed cost
+of the libraries whatever the checkpoint's size. `placed_mib` is the bytes of the placed params
+(on CPU the simulated devices live in host memory, so these are in RSS too).
 
 Quantized rows (`--quantization`, default `none gguf int8`): "none" loads every source in
 float32 (the GGUF dequantized per device slice); "gguf" keeps the GGUF file's Q4_1 / Q8_0
@@ -54,6 +56,10 @@ def child_load(path: str, quantization: str, tp: int, devices: int) -> dict:
     from flax import nnx
     from tp_jax.serving.llm import LLM
     jax.block_until_ready(jnp.ones(8))
+    before_imports = rss_mib("VmRSS")
+    import transformers.configuration_utils  # noqa: F401  (what LLM() imports for a config: torch too, if installed)
+    imports = rss_mib("VmRSS") - before_imports
+
     def load():
         t, cpu = time.perf_counter(), cpu_s()
         llm = LLM(path, tensor_parallel_size=tp, progress=False, quantization=quantization)
@@ -68,8 +74,8 @@ def child_load(path: str, quantization: str, tp: int, devices: int) -> dict:
     del leaves
     warm_s, _, _, _ = load()
     return {"weights": weights, "load_s": round(load_s, 2), "cpu_s": round(cpu, 2), "warm_load_s": round(warm_s, 2),
-            "peak_rss_mib": round(peak), "baseline_rss_mib": round(base), "placed_mib": round(placed),
-            "transient_mib": round(peak - base - placed)}
+            "peak_rss_mib": round(peak), "baseline_rss_mib": round(base), "imports_mib": round(imports),
+            "placed_mib": round(placed), "transient_mib": round(peak - base - placed)}
 
 
 def child_convert(kind: str, src: str, out: str) -> dict:

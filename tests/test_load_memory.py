@@ -76,4 +76,4 @@ def test_peak_rss_while_loading_at_tp8(tmp_path):
     transient = r["peak"] - r["baseline"] - r["placed"]
     print(f"checkpoint {size / 2**20:.0f} MiB, placed {r['placed'] / 2**20:.0f} MiB, "
           f"peak growth {(r['peak'] - r['baseline']) / 2**20:.0f} MiB, transient {transient / 2**20:.0f} MiB")
-    assert transient < size / 2
+    assert transient < size / 6          # one device block at a time (was 63 MiB of 244 when a whole param was held)

@@ -198,3 +198,61 @@ def test_index_json(sharded_dir, tmp_path_factory, data):
         for name, want in expected.items():
             assert np.array_equal(source.get(name)[...], want), name
     shutil.rmtree(work)
+
+
+# --- GGUF metadata arrays: our fast parse == gguf.GGUFReader's -----------------------------------
+
+ARRAY_ITEMS = {
+    "str": st.text(max_size=6),             # (the writer refuses empty arrays)
+    "u8": st.integers(0, 255), "i32": st.integers(-2**31, 2**31 - 1), "u64": st.integers(0, 2**64 - 1),
+    "f32": st.floats(width=32, allow_nan=False), "bool": st.booleans(),
+}
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arrays=st.lists(st.sampled_from(sorted(ARRAY_ITEMS)).flatmap(
+           lambda kind: st.tuples(st.just(kind), st.lists(ARRAY_ITEMS[kind], min_size=1, max_size=40))), max_size=5),
+       big_endian=st.booleans())
+def test_gguf_metadata_arrays_parse_as_the_gguf_package_does(tmp_path_factory, arrays, big_endian):
+    """Every field (tokenizer-sized arrays take a fast path in our reader) has the same offset, parts,
+    types and contents as `gguf.GGUFReader` reads from the same file, in either byte order."""
+    import gguf
+    from tp_jax.loaders.gguf import open_reader
+    kinds = {"u8": gguf.GGUFValueType.UINT8, "i32": gguf.GGUFValueType.INT32, "u64": gguf.GGUFValueType.UINT64,
+             "f32": gguf.GGUFValueType.FLOAT32, "bool": gguf.GGUFValueType.BOOL}
+    path = str(tmp_path_factory.mktemp("gguf_meta") / "m.gguf")
+    w = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE)
+    for i, (kind, values) in enumerate(arrays):
+        if kind == "str":
+            w.add_array(f"test.strings{i}", values)
+        else:
+            w.add_key_value(f"test.{kind}{i}", values, gguf.GGUFValueType.ARRAY, sub_type=kinds[kind])
+    w.add_tensor("t", np.arange(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    theirs, ours = gguf.GGUFReader(path), open_reader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, want in theirs.fields.items():
+        got = ours.fields[key]
+        assert (got.offset, got.types, got.data) == (want.offset, want.types, want.data), key
+        assert [(p.dtype, p.tolist()) for p in got.parts] == [(p.dtype, p.tolist()) for p in want.parts], key
+        assert got.contents() == want.contents(), key
+    assert np.array_equal(ours.tensors[0].data, theirs.tensors[0].data)
+
+
+def test_the_embedded_gguf_reads_as_the_gguf_package_reads_it():
+    """The default model's 49k-entry tokenizer arrays: the same fields as `gguf.GGUFReader`'s."""
+    import gguf
+    from tp_jax.loaders.default import default_model_path
+    from tp_jax.loaders.gguf import open_reader
+    theirs, ours = gguf.GGUFReader(default_model_path()), open_reader(default_model_path())
+    assert list(ours.fields) == list(theirs.fields)
+    for key, want in theirs.fields.items():
+        got = ours.fields[key]
+        assert (got.types, got.data, len(got.parts)) == (want.types, want.data, len(want.parts)), key
+        assert got.contents() == want.contents(), key
+    assert [(t.name, t.data_offset, t.n_bytes) for t in ours.tensors] == \
+        [(t.name, t.data_offset, t.n_bytes) for t in theirs.tensors]

@@ -77,3 +77,29 @@ def test_peak_rss_while_loading_at_tp8(tmp_path):
     print(f"checkpoint {size / 2**20:.0f} MiB, placed {r['placed'] / 2**20:.0f} MiB, "
           f"peak growth {(r['peak'] - r['baseline']) / 2**20:.0f} MiB, transient {transient / 2**20:.0f} MiB")
     assert transient < size / 6          # one device block at a time (was 63 MiB of 244 when a whole param was held)
+
+
+def test_each_block_is_read_once_and_a_shared_block_once_for_all_devices(tmp_path):
+    """At tp = 8: a replicated norm is read once, not once per device (then copied device to device),
+    a vocab-parallel embedding once per rank, and every device holds the checkpoint's values."""
+    from collections import Counter
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tests.test_quantized_models import RecordingSource
+    from tests.tiny_models import make_checkpoint
+    from tp_jax.loaders.model import load_from_source, open_checkpoint
+    from tp_jax.parallel.mesh import make_mesh
+    ckpt = open_checkpoint(make_checkpoint("gqa", str(tmp_path)))
+    source = RecordingSource(ckpt.source)
+    model = load_from_source(ckpt.config, source, make_mesh(tp=8), jnp.float32, progress=False)
+    reads = Counter(name for name, _ in source.reads)
+    assert reads["model.norm.weight"] == 1
+    assert reads["model.layers.0.input_layernorm.weight"] == 1
+    assert reads["model.embed_tokens.weight"] == 8
+    norm = nnx.state(model, nnx.Param)["model"]["norm"]["weight"].get_value()
+    want = np.asarray(ckpt.source.get("model.norm.weight")[...])
+    assert len(norm.addressable_shards) == 8
+    for shard in norm.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), want)

@@ -17,6 +17,8 @@ from tp_jax.serving.sampling import SamplingParams
 
 MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2),
           (4, 2, 1), (8, 1, 1)]
+# continuous batching runs on these: every axis alone at its extreme and all three together
+WORKLOAD_MESHES = {(1, 1, 8), (1, 4, 2), (2, 2, 2), (4, 2, 1), (8, 1, 1)}
 PROMPTS = [[5, 17, 300, 42, 9], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [999, 3]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -67,6 +69,8 @@ def test_every_factorization(deep, workload_refs, dp, pp, tp):
     assert diff <= 1e-4, diff
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == greedy      # == transformers == (1, 1, 1)
+    if (dp, pp, tp) not in WORKLOAD_MESHES:
+        return
     # continuous batching: requests arrive while others run, greedy and seeded sampling mixed
     work, hf, alone = workload_refs
     got = run_workload(llm.engine, work)

@@ -216,12 +216,12 @@ def test_generation_config_eos_ids_end_generation(hf_refs, tmp_path):
 
 
 def test_many_unbounded_requests_queue_in_a_fixed_pool(hf_refs):
-    """48 prompts (4x what the pool can hold at once) with max_tokens=None: the pool never grows, requests
+    """36 prompts (3x what the pool can hold at once) with max_tokens=None: the pool never grows, requests
     wait or are preempted, all finish."""
     path, _ = hf_refs["gqa"]
     llm = LLM(path, max_model_len=24, num_gpu_blocks=12, block_size=8, progress=False)
     pool = llm.engine.core.pool
-    outs = llm.generate([[i % 997 + 1, 7, 9] for i in range(48)], SamplingParams(max_tokens=None, temperature=0.0,
+    outs = llm.generate([[i % 997 + 1, 7, 9] for i in range(36)], SamplingParams(max_tokens=None, temperature=0.0,
                                                                                   ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 21 and o.outputs[0].finish_reason == "length" for o in outs)
     assert llm.engine.core.pool is pool and pool.num_blocks == 12

@@ -1,0 +1,50 @@
+"""Start-up cost of `LLM()`: the first call in a fresh process against a second, one JSON line.
+
+    python scripts/bench_startup.py [--model X.gguf|DIR] [--compile-cache] [--import-transformers]
+
+`import_s` is importing jax (and starting its CPU client) and tp_jax; `cold_s` the first
+`LLM(model)` in this process (it imports transformers for the config and tokenizer, which
+imports torch when torch is installed: `torch_imported` says whether it did); `warm_s` a
+second `LLM(model)` in the same process. The compile cache is off unless `--compile-cache`,
+so both calls compile. `cold_over_warm` is the one-time cost as a ratio. With
+`--import-transformers`, transformers' config and tokenizer modules are imported before the
+clock for `cold_s` starts (counted in `import_s`), so the ratio is tp_jax's own one-time cost.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    ap.add_argument("--compile-cache", action="store_true", help="use the persistent compile cache")
+    ap.add_argument("--import-transformers", action="store_true",
+                    help="import transformers' config and tokenizer modules before the first LLM()")
+    args = ap.parse_args()
+    t = time.perf_counter()
+    import jax
+    import jax.numpy as jnp
+    jax.block_until_ready(jnp.ones(2))
+    from tp_jax import LLM
+    from tp_jax.loaders.default import default_model_path
+    if args.import_transformers:
+        import transformers.configuration_utils  # noqa: F401
+        import transformers.models.auto.tokenization_auto  # noqa: F401
+    imported = time.perf_counter() - t
+    path = args.model or default_model_path()
+    times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        LLM(path, progress=False, compile_cache=args.compile_cache)
+        times.append(time.perf_counter() - t)
+    print(json.dumps({"model": path.rstrip("/").rsplit("/", 1)[-1], "import_s": round(imported, 2),
+                      "cold_s": round(times[0], 2), "warm_s": round(times[1], 2),
+                      "cold_over_warm": round(times[0] / times[1], 2),
+                      "transformers_imported_first": args.import_transformers, "torch_imported": "torch" in sys.modules}))
+
+
+if __name__ == "__main__":
+    main()

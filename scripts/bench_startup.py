@@ -8,7 +8,8 @@ imports torch when torch is installed: `torch_imported` says whether it did); `w
 second `LLM(model)` in the same process. The compile cache is off unless `--compile-cache`,
 so both calls compile. `cold_over_warm` is the one-time cost as a ratio. With
 `--import-transformers`, transformers' config and tokenizer modules are imported before the
-clock for `cold_s` starts (counted in `import_s`), so the ratio is tp_jax's own one-time cost.
+clock for `cold_s` starts (counted in `import_s`); what remains of the ratio is the model's
+config module, which transformers imports on first use (and torch with it, when installed).
 """
 
 import argparse

@@ -42,7 +42,10 @@ def log_softmax(x):
 BAD = [
     (dict(n=0), "n=0 must be >= 1"),
     (dict(n=1.5), "n=1.5 must be an int"),
-    (dict(max_tokens=0), "max_tokens=0 must be >= 1"),
+    (dict(max_tokens=0), "max_tokens=0 generates nothing; it is allowed only with prompt_logprobs"),
+    (dict(max_tokens=-1), "max_tokens=-1 must be >= 1"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs=-1 must be >= 0"),
+    (dict(prompt_logprobs=2.0), "prompt_logprobs=2.0 must be an int"),
     (dict(max_tokens=1.5), "max_tokens=1.5 must be an int"),
     (dict(temperature=-1), "temperature=-1 must be >= 0"),
     (dict(temperature=float("nan")), "temperature=nan must be a finite number"),

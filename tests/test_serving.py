@@ -227,7 +227,8 @@ def test_a_step_plan_survives_the_trip_to_other_processes(llm):
     engine = llm.engine
     core = engine.core
     engine.add_request("plan-a", [5, 17, 300], SamplingParams(max_tokens=3, repetition_penalty=1.3, logprobs=2))
-    engine.add_request("plan-b", list(range(40)), SamplingParams(max_tokens=3, temperature=0.5, seed=4))
+    engine.add_request("plan-b", list(range(40)), SamplingParams(max_tokens=3, temperature=0.5, seed=4,
+                                                                 prompt_logprobs=2))
     out = core.scheduler.schedule()
     plan = core._plan(build_batch(out, [b.tables for b in core.scheduler.blocks], 16, core.microbatches))
     back = StepPlan.from_bytes(plan.to_bytes())
@@ -238,6 +239,9 @@ def test_a_step_plan_survives_the_trip_to_other_processes(llm):
         np.testing.assert_array_equal(getattr(back, name), getattr(plan, name), err_msg=name)
     assert (back.num_logprobs, back.penalties, back.all_greedy) == (2, True, False)
     assert back.penalty_inits == [tuple(x) for x in plan.penalty_inits] and len(plan.penalty_inits) == 1
+    assert back.prompt.k == plan.prompt.k == 2
+    np.testing.assert_array_equal(back.prompt.packed(), plan.prompt.packed())
+    assert plan.prompt.target[0, :39].tolist() == list(range(1, 40))          # every prompt token but the first
     for rid in ("plan-a", "plan-b"):
         engine.abort(rid)
 

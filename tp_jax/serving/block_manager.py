@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 
+from tp_jax.serving import prompt_logprobs
 from tp_jax.serving.request import Request
 
 
@@ -45,8 +46,9 @@ class BlockManager:
 
     def computed_blocks(self, req: Request) -> list[int]:
         """The cached blocks that hold req's leading tokens (at most num_tokens - 1 of them: the
-        last token is always computed, so its logits exist)."""
-        if not self.prefix_caching:
+        last token is always computed, so its logits exist). None while req still collects prompt
+        logprobs: cached blocks have no logits (tp_jax/serving/prompt_logprobs.py)."""
+        if not self.prefix_caching or prompt_logprobs.wanted(req):
             return []
         hits = []
         for h in req.hashes_upto((req.num_tokens - 1) // self.block_size, self.block_size):

@@ -9,7 +9,9 @@
 Each step: the scheduler picks rows (decodes and prefill chunks, within the token budget,
 preempting when blocks run out), the batch builder lays them out in a bucketed shape, the
 runner runs the forward over the paged pool and samples, and finished requests leave at
-once (EOS, stop token ids, max_tokens, the context limit). The engine knows no tokenizer:
+once (EOS, stop token ids, max_tokens, the context limit). Prompt logprobs are scored from the
+prefill chunks (tp_jax/serving/prompt_logprobs.py); a max_tokens=0 request ends after its
+prefill with them and no token. The engine knows no tokenizer:
 stop strings and text belong to the front door, which aborts a request when its text stops.
 
 Many hosts: the driver (process 0) schedules and broadcasts each step's plan; every other
@@ -28,7 +30,7 @@ from jax.sharding import Mesh
 
 from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_host
 from tp_jax.parallel.mesh import DP, PP
-from tp_jax.serving import sampling
+from tp_jax.serving import prompt_logprobs, sampling
 from tp_jax.serving.batch import (MIN_BLOCKS, MIN_PREFILL_WIDTH, MIN_TOKENS, StepBatch, StepShape, bucket,
                                   build_batch, fine_bucket)
 from tp_jax.serving.kv_pool import plan_pool
@@ -89,6 +91,7 @@ class EngineOutput:
     finish_reason: str | None = None                   # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # with the first output, when asked for
 
     @property
     def finished(self) -> bool:
@@ -165,13 +168,14 @@ class EngineCore:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{where} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        if len(ids) >= cfg.max_model_len:
+        if len(ids) > cfg.max_model_len or (len(ids) == cfg.max_model_len and params.max_tokens != 0):
             raise ValueError(f"{where} has {len(ids)} tokens, but max_model_len={cfg.max_model_len} leaves no "
                              f"room to generate; shorten it or raise max_model_len")
         limit = min(cfg.max_logprobs, self.vocab_size)
-        if (params.logprobs or 0) > limit:
-            raise ValueError(f"{where}: logprobs={params.logprobs} exceeds the limit of {limit} (max_logprobs, "
-                             f"and the vocabulary size {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > limit:
+                raise ValueError(f"{where}: {name}={getattr(params, name)} exceeds the limit of {limit} "
+                                 f"(max_logprobs, and the vocabulary size {self.vocab_size})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
@@ -196,7 +200,9 @@ class EngineCore:
         plan = self._plan(batch)
         if jax.process_count() > 1:
             broadcast_bytes(plan.to_bytes())
-        tokens, chosen, top_ids, top_lp = self._execute(plan)
+        tokens, chosen, top_ids, top_lp, scored = self._execute(plan)
+        if plan.prompt is not None:
+            prompt_logprobs.collect(plan.prompt, scored)
         self.scheduler.update(out)
         self.stats["steps"] += 1
         self.stats["scheduled_tokens"] += out.num_tokens
@@ -205,7 +211,9 @@ class EngineCore:
         outputs = []
         for g, rows in enumerate(batch.rows):
             for i, row in enumerate(rows):
-                if row is not None and row.samples:
+                if row is not None and row.samples and row.request.max_tokens == 0:
+                    outputs.append(self._prompt_only(row.request))
+                elif row is not None and row.samples:
                     outputs.append(self._append(row.request, int(tokens[g, i]), float(chosen[g, i]),
                                             top_ids[g, i], top_lp[g, i]))
         return outputs
@@ -219,7 +227,7 @@ class EngineCore:
         inits, logprobs, greedy, penalties = [], 0, True, False
         for gi, rows in enumerate(batch.rows):
             for i, row in enumerate(rows):
-                if row is None or not row.samples:
+                if row is None or not row.samples or row.request.max_tokens == 0:
                     continue
                 req, p = row.request, row.request.params
                 floats[gi, i], top_k[gi, i] = req.sample_floats, sampling.row_top_k(p, self.vocab_size)
@@ -234,7 +242,7 @@ class EngineCore:
                     slots[gi, i] = req.penalty_slot
         num_logprobs = min(bucket(logprobs), self.vocab_size)
         return StepPlan(batch, floats, top_k, words, steps, slots, num_logprobs, penalties, greedy and not penalties,
-                        inits)
+                        inits, prompt_logprobs.plan(batch, self.vocab_size))
 
     def _execute(self, plan: StepPlan):
         """The device work of a step (every process runs it); the sampled rows as numpy."""
@@ -247,10 +255,19 @@ class EngineCore:
         top = None if n is None else {token: logprob, **{int(t): float(x) for t, x in zip(top_ids[:n], top_lp[:n])}}
         out = EngineOutput(req.request_id, [token], [logprob], None if top is None else [top],
                            num_cached_tokens=max(req.num_cached_tokens, 0))
+        if req.params.prompt_logprobs is not None and req.num_output_tokens == 1:
+            out.prompt_logprobs = req.prompt_logprobs
         reason, stop = self._check_stop(req, token)
         if reason is not None:
             self._finish(req, reason, stop)
             out.finish_reason, out.stop_reason = reason, stop
+        return out
+
+    def _prompt_only(self, req: Request) -> EngineOutput:
+        """A max_tokens=0 request at the end of its prefill: its prompt logprobs, no token, finished."""
+        out = EngineOutput(req.request_id, [], [], None if req.params.logprobs is None else [], "length",
+                           num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logprobs=req.prompt_logprobs)
+        self._finish(req, "length", None)
         return out
 
     def _check_stop(self, req: Request, token: int):

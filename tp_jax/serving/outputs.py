@@ -38,6 +38,8 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0                  # prompt tokens found in the prefix cache
     metrics: RequestMetrics | None = None
+    # SamplingParams(prompt_logprobs=k): [None, then per prompt token {token_id: logprob} (its own + top-k)]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclasses.dataclass

@@ -3,7 +3,8 @@
 With many hosts the driver (process 0) schedules and every process executes the same jitted
 step; the others receive the plan as bytes (numpy arrays + a small JSON header). A plan
 carries the step's token batch, the per-row sampling inputs, the static flags that pick the
-sampler program, and the penalty rows to load for requests that start running.
+sampler program, the penalty rows to load for requests that start running, and the prompt
+positions to score for requests that ask for prompt logprobs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import numpy as np
 
 from tp_jax.serving.batch import StepBatch, StepShape
+from tp_jax.serving.prompt_logprobs import PromptPlan
 
 
 @dataclasses.dataclass
@@ -29,6 +31,7 @@ class StepPlan:
     penalties: bool
     all_greedy: bool
     penalty_inits: list[tuple[int, list[int], list[int]]]     # (slot, prompt ids, output ids)
+    prompt: PromptPlan | None = None       # prompt positions to score (prompt_logprobs.py)
 
     SAMPLE_ARRAYS = ("floats", "top_k", "words", "steps", "penalty_rows")
 
@@ -42,6 +45,9 @@ class StepPlan:
         assert len(arrays) == len(StepBatch.ARRAYS) + len(self.SAMPLE_ARRAYS), "array names must not collide"
         header = {"shape": dataclasses.astuple(self.batch.shape), "num_logprobs": self.num_logprobs,
                   "penalties": self.penalties, "all_greedy": self.all_greedy, "penalty_inits": self.penalty_inits}
+        if self.prompt is not None:
+            arrays.update(prompt_index=self.prompt.index, prompt_target=self.prompt.target)
+            header["prompt_k"] = self.prompt.k
         buf = io.BytesIO()
         np.savez(buf, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
         return buf.getvalue()
@@ -52,5 +58,6 @@ class StepPlan:
             a = {k: z[k] for k in z.files}
         header = json.loads(a.pop("header").tobytes())
         batch = StepBatch(StepShape(*header["shape"]), *(a[k] for k in StepBatch.ARRAYS), rows=[])
+        prompt = PromptPlan(a["prompt_index"], a["prompt_target"], header["prompt_k"]) if "prompt_k" in header else None
         return cls(batch, *(a[k] for k in cls.SAMPLE_ARRAYS), header["num_logprobs"], header["penalties"],
-                   header["all_greedy"], [tuple(x) for x in header["penalty_inits"]])
+                   header["all_greedy"], [tuple(x) for x in header["penalty_inits"]], prompt)

@@ -76,6 +76,7 @@ class RequestState:
     samples: list[_Sample]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -84,7 +85,7 @@ class RequestState:
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [s.output(i) for i, s in enumerate(self.samples)], self.finished,
-                             self.num_cached_tokens, dataclasses.replace(self.metrics))
+                             self.num_cached_tokens, dataclasses.replace(self.metrics), self.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -113,6 +114,8 @@ class OutputProcessor:
             state, i = self.children[out.request_id]
             s = state.samples[i]
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = out.prompt_logprobs
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now

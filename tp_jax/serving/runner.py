@@ -9,6 +9,9 @@
   for padding) that lives on the devices while the request runs. The result comes back
   as one int32 array (logprobs bit-cast), so a step costs one transfer each way (plus
   one for the sampling rows when any row samples randomly or is penalized).
+* prompt logprobs (tp_jax/serving/prompt_logprobs.py): only in a step that scores prompt
+  positions, the forward takes their index and returns their logprobs; other steps run
+  the same program as without them.
 Both are jitted once per shape and flag set; `compiled_shapes` lists the forward's.
 """
 
@@ -25,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tp_jax.models.cache import KVCache, PagedBatch
 from tp_jax.multihost.distributed import to_global, to_host
 from tp_jax.parallel.mesh import DP
-from tp_jax.serving import sampling
+from tp_jax.serving import prompt_logprobs, sampling
 from tp_jax.serving.batch import StepShape, unpack
 from tp_jax.serving.kv_pool import POOL_SPEC, PoolShape, new_pool
 from tp_jax.serving.plan import StepPlan
@@ -43,38 +46,44 @@ class ModelRunner:
         self.penalty_state = None                # (prompt_mask bool[S+1, V], counts i32[S+1, V]) once needed
         self.compiled_shapes: set[StepShape] = set()
 
-        def forward(weights, packed, k, v, *, shape):
+        def forward(weights, packed, k, v, *prompt, shape, prompt_k):
             a = unpack(packed, shape)
             m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
             paged = PagedBatch(a["slots"], a["decode_tables"], a["prefill_tables"], a["prefill_index"])
             cache = KVCache(k, v, paged, attention_backend)
             h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches)
             last = jnp.take_along_axis(h, a["logits_index"][..., None], axis=1)     # [M, R, D]
-            return m.logits(last), cache.k, cache.v
+            scored = tuple(prompt_logprobs.compute(m, h, x, prompt_k) for x in prompt)   # () unless asked
+            return m.logits(last), cache.k, cache.v, *scored
 
-        def sharded(weights, packed, k, v, *, shape):
-            fn = jax.shard_map(functools.partial(forward, shape=shape), mesh=mesh,
-                               in_specs=(specs, P(DP), POOL_SPEC, POOL_SPEC), out_specs=(P(DP), POOL_SPEC, POOL_SPEC),
-                               check_vma=False)
-            return fn(weights, packed, k, v)
+        def sharded(weights, packed, k, v, *prompt, shape, prompt_k=0):
+            extra = (P(DP),) * len(prompt)
+            fn = jax.shard_map(functools.partial(forward, shape=shape, prompt_k=prompt_k), mesh=mesh,
+                               in_specs=(specs, P(DP), POOL_SPEC, POOL_SPEC, *extra),
+                               out_specs=(P(DP), POOL_SPEC, POOL_SPEC, *extra), check_vma=False)
+            return fn(weights, packed, k, v, *prompt)
 
-        self._forward = jax.jit(sharded, donate_argnums=(2, 3), static_argnames=("shape",))
+        self._forward = jax.jit(sharded, donate_argnums=(2, 3), static_argnames=("shape", "prompt_k"))
 
     def put(self, x, spec=P(DP)):
         return to_global(x, NamedSharding(self.mesh, spec))
 
-    def forward(self, batch) -> jax.Array:
-        """Run the model on one step's tokens, writing their k/v; logits [G, D + P, V] stay on device."""
-        logits, self.k, self.v = self._forward(self.weights, self.put(batch.packed()), self.k, self.v,
-                                               shape=batch.shape)
+    def forward(self, batch, prompt=None) -> tuple[jax.Array, jax.Array | None]:
+        """Run the model on one step's tokens, writing their k/v; logits [G, D + P, V] stay on device.
+        With a PromptPlan, also the scored prompt positions (prompt_logprobs.compute), else None."""
+        extra = () if prompt is None else (self.put(prompt.packed()),)
+        logits, self.k, self.v, *scored = self._forward(self.weights, self.put(batch.packed()), self.k, self.v,
+                                                        *extra, shape=batch.shape,
+                                                        prompt_k=0 if prompt is None else prompt.k)
         self.compiled_shapes.add(batch.shape)
-        return logits
+        return logits, (scored[0] if scored else None)
 
     def execute(self, plan: StepPlan):
-        """Forward and sample one step; (tokens[G, R], logprob[G, R], top_ids[G, R, N], top_lp[G, R, N]) as numpy."""
+        """Forward and sample one step; (tokens[G, R], logprob[G, R], top_ids[G, R, N], top_lp[G, R, N], prompt)
+        as numpy, `prompt` the scored prompt positions (i32[G, Q, 1 + 2k]) or None."""
         for slot, prompt, outputs in plan.penalty_inits:
             self.init_penalty_slot(slot, prompt, outputs)
-        logits = self.forward(plan.batch)
+        logits, scored = self.forward(plan.batch, plan.prompt)
         n = plan.num_logprobs
         if plan.all_greedy:
             out = _greedy(logits, num_logprobs=n)
@@ -87,7 +96,8 @@ class ModelRunner:
                 out = _sample(logits, floats, ints, num_logprobs=n)
         out = np.asarray(to_host(out), np.int32)
         floats = lambda x: np.ascontiguousarray(x).view(np.float32)
-        return out[..., 0], floats(out[..., 1]), out[..., 2:2 + n], floats(out[..., 2 + n:])
+        scored = None if scored is None else np.asarray(to_host(scored), np.int32)
+        return out[..., 0], floats(out[..., 1]), out[..., 2:2 + n], floats(out[..., 2 + n:]), scored
 
     def init_penalty_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """Load a request's prompt-token mask and output counts into penalty row `slot`."""

@@ -34,7 +34,7 @@ SAMPLING_EPS = 1e-5   # vLLM's _SAMPLING_EPS: temperature below it means greedy
 # field: (integer?, predicate, allowed range as said in the error)
 _RULES = {
     "n": (True, lambda v: v >= 1, ">= 1"),
-    "max_tokens": (True, lambda v: v >= 1, ">= 1"),
+    "max_tokens": (True, lambda v: v >= 0, ">= 1 (0 only with prompt_logprobs: score the prompt, generate nothing)"),
     "temperature": (False, lambda v: v >= 0, ">= 0 (0 = greedy)"),
     "top_p": (False, lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (True, lambda v: v >= -1, ">= -1 (0 or -1 = off)"),
@@ -44,8 +44,9 @@ _RULES = {
     "frequency_penalty": (False, lambda v: -2 <= v <= 2, "in [-2, 2]"),
     "seed": (True, lambda v: True, "an int or None"),
     "logprobs": (True, lambda v: v >= 0, ">= 0"),
+    "prompt_logprobs": (True, lambda v: v >= 0, ">= 0"),
 }
-_OPTIONAL = {"max_tokens", "seed", "logprobs"}
+_OPTIONAL = {"max_tokens", "seed", "logprobs", "prompt_logprobs"}
 
 
 def _checked(name: str, value, integer: bool, ok, allowed: str):
@@ -95,6 +96,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None           # top-N logprobs per generated token
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None    # per prompt token: its logprob + the top-N (prompt_logprobs.py)
 
     def __post_init__(self):
         for name, (integer, ok, allowed) in _RULES.items():
@@ -106,6 +108,9 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams: {name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("SamplingParams: max_tokens=0 generates nothing; it is allowed only with "
+                             "prompt_logprobs (score the prompt): set prompt_logprobs=0, or max_tokens >= 1")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,94 @@
+"""Prompt logprobs (`SamplingParams(prompt_logprobs=k)`) == transformers' log-softmax at every prompt
+position: at tp 1, 2, 8, pp 2 and dp 2, with a prompt longer than one prefill chunk, with and
+without a cached prefix, under preemption; `max_tokens=0`; bad input."""
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import hf_logits, make_checkpoint
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
+
+CHUNK = 32                                          # max_num_batched_tokens: the long prompt takes 3 chunks
+K = 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The gqa checkpoint, prompts (one of 75 tokens, > 2 chunks; two sharing its first 40), and
+    transformers' log-softmax for each."""
+    path = make_checkpoint("gqa", str(tmp_path_factory.mktemp("prompt_lp")))
+    rng = np.random.default_rng(0)
+    long = rng.integers(3, 1000, 75).tolist()
+    prompts = [long, long[:40] + rng.integers(3, 1000, 9).tolist(), rng.integers(3, 1000, 5).tolist()]
+    refs = []
+    for p in prompts:
+        x = hf_logits(path, np.array([p]))[0].astype(np.float64)
+        refs.append(x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+    return path, prompts, refs
+
+
+def check_against(ref: np.ndarray, prompt: list[int], got: list, k: int) -> float:
+    """The worst |logprob - transformers'| over the prompt's tokens and their top-k entries."""
+    assert len(got) == len(prompt) and got[0] is None
+    worst = 0.0
+    for i in range(1, len(prompt)):
+        row, entry = ref[i - 1], got[i]
+        top = np.argsort(-row)[:k]
+        assert set(entry) == {prompt[i], *top.tolist()}, (i, entry, top)
+        worst = max(worst, *(abs(lp - row[t]) for t, lp in entry.items()))
+    return worst
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (1, 1, 2), (1, 1, 8), (1, 2, 1), (2, 1, 2)],
+                         ids=lambda s: str(s))
+def test_prompt_logprobs_equal_transformers(model, dp, pp, tp):
+    path, prompts, refs = model
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+              max_num_batched_tokens=CHUNK, progress=False)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    plain = llm.generate(prompts, greedy)
+    # the first 40 tokens of prompt 1 are now cached (prompt 0 ran): the scored run must not reuse them
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=K))
+    for p, ref, o, base in zip(prompts, refs, outs, plain):
+        assert check_against(ref, p, o.prompt_logprobs, K) <= 1e-4
+        assert o.outputs[0].token_ids == base.outputs[0].token_ids          # generation unchanged
+        assert base.prompt_logprobs is None
+    assert all(o.num_cached_tokens == 0 for o in outs)
+    assert plain[1].num_cached_tokens > 0 or dp == 2          # (dp 2: prompt 1 may run on the other replica)
+    only = llm.generate(prompts[1], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert only.outputs[0].token_ids == [] and only.outputs[0].finish_reason == "length"
+    assert check_against(refs[1], prompts[1], only.prompt_logprobs, 0) <= 1e-4
+    again = llm.generate(prompts[1], greedy)[0]                             # the prefix cache still serves others
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == plain[1].outputs[0].token_ids
+
+
+def test_prompt_logprobs_survive_preemption(model):
+    """A pool too small for the batch preempts requests mid-prefill; their prompt logprobs stay exact."""
+    path, prompts, refs = model
+    llm = LLM(path, max_num_batched_tokens=CHUNK, block_size=16, num_gpu_blocks=8, max_model_len=128,
+              progress=False)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.core.stats["preemptions"] > 0
+    for p, ref, o in zip(prompts, refs, outs):
+        assert check_against(ref, p, o.prompt_logprobs, 1) <= 1e-4
+        assert len(o.outputs[0].token_ids) == 20
+
+
+def test_max_tokens_zero_and_limits(model):
+    path, prompts, _ = model
+    llm = LLM(path, max_model_len=49, progress=False)
+    with pytest.raises(ValueError, match=r"max_tokens=0 generates nothing.*prompt_logprobs"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match=r"prompt_logprobs=-1 must be >= 0"):
+        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match=r"prompt 0: prompt_logprobs=21 exceeds the limit of 20"):
+        llm.generate(prompts[2], SamplingParams(prompt_logprobs=21))
+    full = prompts[1]                                                        # 49 tokens = max_model_len
+    with pytest.raises(ValueError, match="leaves no room to generate"):
+        llm.generate(full, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    out = llm.generate(full, SamplingParams(max_tokens=0, prompt_logprobs=0, logprobs=2))[0]
+    assert len(out.prompt_logprobs) == 49 and out.outputs[0].token_ids == [] and out.outputs[0].logprobs == []
+    n2 = llm.generate(prompts[2], SamplingParams(n=2, max_tokens=2, prompt_logprobs=1, seed=3))[0]
+    assert len(n2.outputs) == 2 and len(n2.prompt_logprobs) == len(prompts[2])

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from tp_jax.server.echo import join, prompt_logprobs_field, prompt_part
 from tp_jax.server.metrics import ServerMetrics
 from tp_jax.server.protocol import ChatCompletionRequest, CompletionRequest, requested_logprobs, sampling_params
 from tp_jax.server.responses import ChoiceDelta, Delta, Tokens, chat_logprobs, completion_logprobs, usage
@@ -51,6 +52,7 @@ class Job:
     prompts: list[list[int]]                      # token ids per prompt
     params: SamplingParams
     request: CompletionRequest | ChatCompletionRequest
+    echo_texts: list[str] | None = None           # completions with echo=true: each prompt's text
 
     @property
     def object(self) -> str:
@@ -73,9 +75,18 @@ class Handler:
 
     # --- turning a request into checked engine inputs ----------------------------------------------
     def completion_job(self, req: CompletionRequest) -> Job:
+        if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
+            raise APIError(400, "max_tokens=0 generates nothing: it is allowed only with echo=true (return the "
+                                "prompt) or prompt_logprobs (score it); set one, or max_tokens >= 1", param="max_tokens")
         texts = req.prompts()
         prompts = [self._encode(p, "prompt" if len(texts) == 1 else f"prompt {i}") for i, p in enumerate(texts)]
-        return self._job(False, "cmpl", req, prompts, req.max_tokens)
+        job = self._job(False, "cmpl", req, prompts, req.max_tokens)
+        if req.echo:
+            job.echo_texts = [t if isinstance(t, str) else self._decode(ids) for t, ids in zip(texts, prompts)]
+        return job
+
+    def _decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         if self.tokenizer is None:
@@ -151,18 +162,36 @@ class Handler:
         async for i, out in self._run(job, stream=False):
             final[i] = out
         n = job.params.n
-        choices = [self._choice(job, i * n + c.index, c) for i in sorted(final) for c in final[i].outputs]
+        choices = [self._choice(job, i * n + c.index, c, final[i]) for i in sorted(final) for c in final[i].outputs]
         body = {"id": job.id, "object": job.object, "created": job.created, "model": job.model, "choices": choices,
                 "usage": self._usage(job, final.values())}
+        if job.chat and job.request.prompt_logprobs is not None:          # vLLM: chat's is top-level
+            body["prompt_logprobs"] = prompt_logprobs_field(final[0].prompt_token_ids, final[0].prompt_logprobs,
+                                                            job.request.prompt_logprobs, self.tokens)
         return body
 
-    def _choice(self, job: Job, index: int, c: CompletionOutput) -> dict:
+    def _choice(self, job: Job, index: int, c: CompletionOutput, out: RequestOutput) -> dict:
         lp = self._logprobs(job, Delta(c.token_ids, c.logprobs, c.text, None, None, 0))
         if job.chat:
             return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        text, lp, extra = self._with_prompt(job, index, out, c.text, lp, True)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, **extra}
+
+    def _with_prompt(self, job: Job, index: int, out: RequestOutput, text: str, lp: dict | None, first: bool):
+        """A completions choice's (text, logprobs, extra fields) with its prompt: echoed in front (`first`: the
+        choice's first chunk, or the whole answer) and vLLM's `prompt_logprobs` field, when asked."""
+        r, i = job.request, index // job.params.n
+        extra = {}
+        if r.prompt_logprobs is not None and first:
+            extra["prompt_logprobs"] = prompt_logprobs_field(out.prompt_token_ids, out.prompt_logprobs,
+                                                             r.prompt_logprobs, self.tokens)
+        if not r.echo:
+            return text, lp, extra
+        prefix = prompt_part(job.echo_texts[i], out.prompt_token_ids, out.prompt_logprobs, r.logprobs, self.tokens)
+        text, lp = join(prefix if first else None, len(job.echo_texts[i]), text, lp)
+        return text, lp, extra
 
     def _logprobs(self, job: Job, d: Delta) -> dict | None:
         n = requested_logprobs(job.request)
@@ -194,7 +223,7 @@ class Handler:
                 for c in out.outputs:
                     d = deltas[i * n + c.index].update(c)
                     if d is not None:
-                        choices.append(self._chunk_choice(job, i * n + c.index, d))
+                        choices.append(self._chunk_choice(job, i * n + c.index, d, out))
                 if choices:
                     yield chunk(choices)
         except Exception as e:                         # the engine failed mid-stream: say so, then end it
@@ -206,13 +235,14 @@ class Handler:
                        "usage": self._usage(job, last.values())})
         yield "data: [DONE]\n\n"
 
-    def _chunk_choice(self, job: Job, index: int, d: Delta) -> dict:
+    def _chunk_choice(self, job: Job, index: int, d: Delta, out: RequestOutput) -> dict:
         common = {"index": index, "logprobs": self._logprobs(job, d), "finish_reason": d.finish_reason}
         if d.finish_reason is not None:
             common["stop_reason"] = d.stop_reason
         if job.chat:
             return {**common, "delta": {"content": d.text} if d.text or d.finish_reason is None else {}}
-        return {**common, "text": d.text}
+        text, common["logprobs"], extra = self._with_prompt(job, index, out, d.text, common["logprobs"], d.first)
+        return {**common, "text": text, **extra}
 
 
 def sse(obj: dict) -> str:

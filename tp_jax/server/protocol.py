@@ -2,10 +2,11 @@
 
 * `CompletionRequest`, `ChatCompletionRequest` — what a client POSTs to `/v1/completions` and
   `/v1/chat/completions`: OpenAI's fields plus vLLM's extra sampling fields (`top_k`, `min_p`,
-  `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`).
+  `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+  `prompt_logprobs`); completions' `echo` and `max_tokens: 0` as OpenAI and vLLM define them.
   Ranges are declared on the fields, so a bad value is refused (400) before anything runs;
   unknown fields are refused too, naming the field. OpenAI fields this server does not
-  implement are accepted only at their neutral value (`echo=false`, `logit_bias={}`, ...).
+  implement are accepted only at their neutral value (`logit_bias={}`, `suffix`, ...).
 * `sampling_params(request, max_tokens)` — the engine's `SamplingParams` for a request.
 * `ErrorResponse` — OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`.
 
@@ -67,6 +68,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None    # per prompt token, + top-N
 
     @model_validator(mode="after")
     def _neutral_only(self):
@@ -87,16 +89,14 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16             # OpenAI's default for completions
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16             # OpenAI's default; 0: echo / score only
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    echo: bool = False                             # the prompt before the completion (tp_jax/server/echo.py)
     best_of: int | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.echo:
-            raise ValueError("echo=true is not supported by this server; leave it out")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported (only best_of = n); leave it out")
         if self.suffix:
@@ -115,6 +115,16 @@ class CompletionRequest(_Sampling):
     @property
     def top_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine scores: `prompt_logprobs`, else with echo `logprobs` (vLLM's rule); echo with
+        max_tokens=0 and neither still needs a prefill-only request (0)."""
+        if self.prompt_logprobs is not None:
+            return max(self.prompt_logprobs, self.logprobs or 0) if self.echo else self.prompt_logprobs
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            return self.logprobs or 0
+        return None
 
 
 class TextPart(BaseModel):
@@ -183,4 +193,5 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
         presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, seed=r.seed,
         stop=r.stop, stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos,
-        logprobs=requested_logprobs(r), include_stop_str_in_output=r.include_stop_str_in_output)
+        logprobs=requested_logprobs(r), include_stop_str_in_output=r.include_stop_str_in_output,
+        prompt_logprobs=r.engine_prompt_logprobs if isinstance(r, CompletionRequest) else r.prompt_logprobs)

@@ -76,6 +76,7 @@ class Delta:
     finish_reason: str | None
     stop_reason: int | str | None
     text_offset: int                  # characters of this choice sent before `text`
+    first: bool = False               # the choice's first chunk
 
 
 class ChoiceDelta:
@@ -84,7 +85,7 @@ class ChoiceDelta:
     def __init__(self, stop: tuple[str, ...]):
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.tokens = self.chars = 0
-        self.done = False
+        self.done = self.sent = False
 
     def update(self, c: CompletionOutput) -> Delta | None:
         """The delta since the last call, or None when there is nothing new to send."""
@@ -96,6 +97,6 @@ class ChoiceDelta:
         if not new and not text and not c.finished:
             return None
         lps = None if c.logprobs is None else c.logprobs[self.tokens:len(c.token_ids)]
-        delta = Delta(list(new), lps, text, c.finish_reason, c.stop_reason, self.chars)
-        self.tokens, self.chars, self.done = len(c.token_ids), self.chars + len(text), c.finished
+        delta = Delta(list(new), lps, text, c.finish_reason, c.stop_reason, self.chars, not self.sent)
+        self.tokens, self.chars, self.done, self.sent = len(c.token_ids), self.chars + len(text), c.finished, True
         return delta

@@ -70,9 +70,7 @@ class LLMEngine:
         text, ids = parse_prompt(prompt, self.tokenizer, where)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{where}: stop strings need a tokenizer, and this model has none; use stop_token_ids")
-        children = [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
-                                        prompt_logprobs=params.prompt_logprobs if i == 0 or params.max_tokens == 0
-                                        else None)       # one sample scores the shared prompt
+        children = [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
                     for i in range(params.n)]
         self.core.check(ids, children[0], where)
         return text, ids, children

@@ -21,14 +21,14 @@ VALID = st.fixed_dictionaries({}, optional={
     "repetition_penalty": st.floats(0.5, 2), "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2), "seed": st.one_of(st.none(), st.integers(-2**70, 2**70)),
     "logprobs": st.integers(0, 5), "stop_token_ids": st.lists(st.integers(0, 1200), max_size=3),
-    "ignore_eos": st.booleans(),
+    "ignore_eos": st.booleans(), "prompt_logprobs": st.integers(0, 3),
 })
 # three times out of four a valid set; otherwise one field set to anything at all
 PARAMS = st.one_of(VALID, VALID, VALID, st.builds(lambda kw, field, value: {**kw, field: value}, VALID,
                                                   st.sampled_from(["n", "max_tokens", "temperature", "top_p",
                                                                    "top_k", "min_p", "seed", "logprobs",
                                                                    "stop_token_ids", "ignore_eos",
-                                                                   "repetition_penalty"]), odd))
+                                                                   "repetition_penalty", "prompt_logprobs"]), odd))
 token = st.one_of(st.integers(-5, VOCAB + 5), st.floats(-1, 5, width=32), st.booleans(), st.just("a"))
 one_prompt = st.one_of(
     st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),              # mostly valid
@@ -78,8 +78,12 @@ def test_front_door_is_clear_or_correct(llm, kw, prompts):
     assert outs and all(len(o.outputs) == params.n for o in outs)
     for o in outs:
         for c in o.outputs:
-            assert 1 <= len(c.token_ids) <= params.max_tokens
+            assert (1 if params.max_tokens else 0) <= len(c.token_ids) <= params.max_tokens
             assert all(0 <= t < VOCAB for t in c.token_ids)
             assert c.finish_reason in ("stop", "length")
             assert c.cumulative_logprob is not None and math.isfinite(c.cumulative_logprob)
             assert (c.logprobs is None) == (params.logprobs is None)
+        if params.prompt_logprobs is not None:
+            assert len(o.prompt_logprobs) == len(o.prompt_token_ids) and o.prompt_logprobs[0] is None
+            assert all(t in d and len(d) <= params.prompt_logprobs + 1 and all(x <= 0 for x in d.values())
+                       for t, d in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:]))

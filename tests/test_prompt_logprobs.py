@@ -46,21 +46,16 @@ def test_prompt_logprobs_equal_transformers(model, dp, pp, tp):
     path, prompts, refs = model
     llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
               max_num_batched_tokens=CHUNK, progress=False)
-    greedy = SamplingParams(max_tokens=4, temperature=0.0)
-    plain = llm.generate(prompts, greedy)
-    # the first 40 tokens of prompt 1 are now cached (prompt 0 ran): the scored run must not reuse them
-    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=K))
-    for p, ref, o, base in zip(prompts, refs, outs, plain):
-        assert check_against(ref, p, o.prompt_logprobs, K) <= 1e-4
-        assert o.outputs[0].token_ids == base.outputs[0].token_ids          # generation unchanged
-        assert base.prompt_logprobs is None
-    assert all(o.num_cached_tokens == 0 for o in outs)
-    assert plain[1].num_cached_tokens > 0 or dp == 2          # (dp 2: prompt 1 may run on the other replica)
-    only = llm.generate(prompts[1], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
-    assert only.outputs[0].token_ids == [] and only.outputs[0].finish_reason == "length"
-    assert check_against(refs[1], prompts[1], only.prompt_logprobs, 0) <= 1e-4
-    again = llm.generate(prompts[1], greedy)[0]                             # the prefix cache still serves others
-    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == plain[1].outputs[0].token_ids
+    scored = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=K)
+    fresh = llm.generate(prompts, scored)                                   # nothing cached yet
+    plain = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
+    cached = llm.generate(prompts, scored)                                  # every prompt's prefix is cached now
+    for p, ref, a, b, c in zip(prompts, refs, fresh, plain, cached):
+        assert check_against(ref, p, a.prompt_logprobs, K) <= 1e-4
+        assert c.prompt_logprobs == a.prompt_logprobs                       # with a cached prefix: the same numbers
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids   # generation unchanged
+        assert b.prompt_logprobs is None and c.num_cached_tokens == 0       # scoring recomputes the prefix
+    assert plain[0].num_cached_tokens > 0                                   # ... which the plain run reused
 
 
 def test_prompt_logprobs_survive_preemption(model):
@@ -68,12 +63,12 @@ def test_prompt_logprobs_survive_preemption(model):
     path, prompts, refs = model
     llm = LLM(path, max_num_batched_tokens=CHUNK, block_size=16, num_gpu_blocks=8, max_model_len=128,
               progress=False)
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     outs = llm.generate(prompts, params)
     assert llm.engine.core.stats["preemptions"] > 0
     for p, ref, o in zip(prompts, refs, outs):
         assert check_against(ref, p, o.prompt_logprobs, 1) <= 1e-4
-        assert len(o.outputs[0].token_ids) == 20
+        assert len(o.outputs[0].token_ids) == 6
 
 
 def test_max_tokens_zero_and_limits(model):
@@ -92,3 +87,14 @@ def test_max_tokens_zero_and_limits(model):
     assert len(out.prompt_logprobs) == 49 and out.outputs[0].token_ids == [] and out.outputs[0].logprobs == []
     n2 = llm.generate(prompts[2], SamplingParams(n=2, max_tokens=2, prompt_logprobs=1, seed=3))[0]
     assert len(n2.outputs) == 2 and len(n2.prompt_logprobs) == len(prompts[2])
+
+
+def test_max_tokens_zero_scores_the_prompt_only(model):
+    path, prompts, refs = model
+    llm = LLM(path, max_num_batched_tokens=CHUNK, progress=False)
+    only = llm.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    for p, ref, o in zip(prompts, refs, only):
+        assert o.outputs[0].token_ids == [] and o.outputs[0].finish_reason == "length"
+        assert check_against(ref, p, o.prompt_logprobs, 0) <= 1e-4
+    again = llm.generate(prompts[0], SamplingParams(max_tokens=2, temperature=0.0))[0]
+    assert again.num_cached_tokens > 0                   # the scored requests' blocks serve later requests

@@ -50,8 +50,10 @@ def test_prompt_logprobs_equal_transformers(model, dp, pp, tp):
     fresh = llm.generate(prompts, scored)                                   # nothing cached yet
     plain = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
     cached = llm.generate(prompts, scored)                                  # every prompt's prefix is cached now
-    for p, ref, a, b, c in zip(prompts, refs, fresh, plain, cached):
-        assert check_against(ref, p, a.prompt_logprobs, K) <= 1e-4
+    worst = max(check_against(ref, p, a.prompt_logprobs, K) for p, ref, a in zip(prompts, refs, fresh))
+    print(f"prompt_logprobs dp{dp} pp{pp} tp{tp}: max |logprob - transformers'| = {worst:.2e}")
+    assert worst <= 1e-4
+    for a, b, c in zip(fresh, plain, cached):
         assert c.prompt_logprobs == a.prompt_logprobs                       # with a cached prefix: the same numbers
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids   # generation unchanged
         assert b.prompt_logprobs is None and c.num_cached_tokens == 0       # scoring recomputes the prefix

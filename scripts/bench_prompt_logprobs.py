@@ -1,9 +1,9 @@
 """What prompt logprobs cost, side by side in one run; prints one JSON line.
 
-    .venv/bin/python scripts/bench_prompt_logprobs.py [--model PATH] [--prompt-len 512] [--rows 64] [--repeats 5]
+    .venv/bin/python scripts/bench_prompt_logprobs.py [--model PATH] [--prompt-len 512] [--k 1] [--rows 64] [--repeats 5]
 
 * `prefill_s` / `prefill_scored_s`: one prompt (max_tokens=1), without and with
-  `prompt_logprobs=1` (the scored run computes [T, V] logits for its T prompt positions);
+  `prompt_logprobs=k` (the scored run computes [T, V] logits for its T prompt positions);
   min of `--repeats` after a warm-up of each.
 * `plan_us_per_step`: the host-side cost every step pays for the feature when no row asks
   (`prompt_logprobs.plan` on a batch of `--rows` decode rows), next to `decode_step_s`,
@@ -24,6 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--k", type=int, default=1, help="prompt_logprobs (top-k per prompt token)")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
@@ -45,7 +46,7 @@ def main() -> None:
         return min(times)
 
     plain = best(SamplingParams(max_tokens=1, temperature=0.0))
-    scored = best(SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    scored = best(SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=args.k))
     core = llm.engine.core
     for i in range(args.rows):                                   # a decode-only step of `rows` rows
         core.add_request(f"d{i}", prompt[:8], SamplingParams(max_tokens=3, temperature=0.0))
@@ -63,7 +64,7 @@ def main() -> None:
     core.runner.execute(step_plan)
     step = time.perf_counter() - t
     core.scheduler.update(out)
-    print(json.dumps({"model": llm.model_path, "prompt_len": args.prompt_len, "prefill_s": round(plain, 4),
+    print(json.dumps({"model": llm.model_path, "prompt_len": args.prompt_len, "k": args.k, "prefill_s": round(plain, 4),
                       "prefill_scored_s": round(scored, 4), "scored_ratio": round(scored / plain, 3),
                       "rows": args.rows, "plan_us_per_step": round(plan_us, 2), "decode_step_s": round(step, 5)}))
 

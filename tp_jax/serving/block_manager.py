@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 
-from tp_jax.serving import prompt_logprobs
 from tp_jax.serving.request import Request
 
 
@@ -48,7 +47,7 @@ class BlockManager:
         """The cached blocks that hold req's leading tokens (at most num_tokens - 1 of them: the
         last token is always computed, so its logits exist). None while req still collects prompt
         logprobs: cached blocks have no logits (tp_jax/serving/prompt_logprobs.py)."""
-        if not self.prefix_caching or prompt_logprobs.wanted(req):
+        if not self.prefix_caching or req.scoring_prompt:
             return []
         hits = []
         for h in req.hashes_upto((req.num_tokens - 1) // self.block_size, self.block_size):

@@ -32,11 +32,6 @@ from tp_jax.serving.request import Request
 from tp_jax.serving.sampling import mask_padding
 
 
-def wanted(req: Request) -> bool:
-    """True while req asks for prompt logprobs and has not got all of them."""
-    return req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.prompt_len
-
-
 def pending(req: Request, start: int, num_tokens: int) -> range:
     """The positions of this row (`num_tokens` from `start`) whose logits score a prompt token not yet scored."""
     if req.params.prompt_logprobs is None:

@@ -62,6 +62,11 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def scoring_prompt(self) -> bool:
+        """It asks for prompt logprobs and does not have them all yet (tp_jax/serving/prompt_logprobs.py)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len
+
     def hashes_upto(self, num_blocks: int, block_size: int) -> list[bytes]:
         """The content hashes of the first `num_blocks` full blocks (computed once, on demand).
 

@@ -44,6 +44,7 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     sample_floats: tuple[float, ...] = ()   # the sampler's per-row floats (sampling.row_floats), set once
+    matcher: object | None = None    # structured outputs: its grammar's state (serving/structured.py Matcher)
 
     @property
     def num_tokens(self) -> int:

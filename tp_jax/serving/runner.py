@@ -30,6 +30,7 @@ from tp_jax.serving.batch import StepShape, unpack
 from tp_jax.serving.kv_pool import POOL_SPEC, PoolShape, new_pool
 from tp_jax.serving.plan import StepPlan
 from tp_jax.serving.sampling import SamplingTensors
+from tp_jax.serving.structured import apply_bitmask
 
 
 class ModelRunner:
@@ -75,6 +76,8 @@ class ModelRunner:
         for slot, prompt, outputs in plan.penalty_inits:
             self.init_penalty_slot(slot, prompt, outputs)
         logits = self.forward(plan.batch)
+        if plan.bitmask is not None:                     # structured outputs: -inf where the grammar says no
+            logits = apply_bitmask(logits, self.put(plan.bitmask))
         n = plan.num_logprobs
         if plan.all_greedy:
             out = _greedy(logits, num_logprobs=n)

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tp_jax.serving.structured import StructuredOutputsParams
+
 SAMPLING_EPS = 1e-5   # vLLM's _SAMPLING_EPS: temperature below it means greedy
 
 # field: (integer?, predicate, allowed range as said in the error)
@@ -95,6 +97,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None           # top-N logprobs per generated token
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None   # a JSON schema / regex / choice / grammar
 
     def __post_init__(self):
         for name, (integer, ok, allowed) in _RULES.items():
@@ -106,6 +109,12 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams: {name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            object.__setattr__(self, "structured_outputs", so := StructuredOutputsParams(**so))
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"SamplingParams: structured_outputs must be a StructuredOutputsParams (or a dict of "
+                             f"its fields), got {type(so).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,7 @@ from tp_jax.multihost.launcher import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_ARGS = ["--tp", "2", "--simulate-devices", "2", "--served-model-name", "tiny", "--max-model-len", "256",
+             "--tool-call-parser", "hermes", "--structured-outputs-config", "{\"disable_any_whitespace\": true}",
              "--max-num-seqs", "32"]
 READY_TIMEOUT_S = 600
 

@@ -176,8 +176,8 @@ class ToolStream:
             end = at
         else:
             end = len(text) - _partial_suffix(text, self.marker)
-        if self.mode.parser == "llama3_json" and not text[:end].strip():
-            end = self.sent                     # leading whitespace: a call may still start
+        if self.mode.parser == "llama3_json" and "<|python_tag|>".startswith(text[:end].strip()):
+            end = self.sent                     # whitespace or a partial <|python_tag|>: a call may still start
         chunk, self.sent = text[self.sent:end], max(self.sent, end)
         return {"content": chunk} if chunk else {}
 

@@ -238,6 +238,7 @@ def test_stop_strings_and_prefix_cache_with_constraints(llm):
     assert re.fullmatch(r"(ab)*", c.text) and (c.stop_reason == "cd" or c.finish_reason == "stop")
 
 
+@pytest.mark.slow
 def test_preempted_requests_resume_their_grammar(tiny_path):
     """A pool too small for all requests preempts some; their outputs equal a roomy run's, token for token."""
     schema = {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 3, "maxItems": 6}

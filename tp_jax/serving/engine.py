@@ -200,8 +200,10 @@ class EngineCore:
         batch = build_batch(out, tables, self.config.block_size, self.microbatches)
         plan = self._plan(batch)
         if jax.process_count() > 1:
+            plan.bitmask = self._bitmask(batch)          # the followers need it in the plan
             broadcast_bytes(plan.to_bytes())
-        tokens, chosen, top_ids, top_lp = self._execute(plan)
+        # one process: the grammars' bitmasks are filled on the host while the device runs the forward
+        tokens, chosen, top_ids, top_lp = self._execute(plan, lambda: self._bitmask(batch))
         self.scheduler.update(out)
         self.stats["steps"] += 1
         self.stats["scheduled_tokens"] += out.num_tokens
@@ -239,7 +241,7 @@ class EngineCore:
                     slots[gi, i] = req.penalty_slot
         num_logprobs = min(bucket(logprobs), self.vocab_size)
         return StepPlan(batch, floats, top_k, words, steps, slots, num_logprobs, penalties, greedy and not penalties,
-                        inits, bitmask=self._bitmask(batch))
+                        inits)
 
     def _bitmask(self, batch) -> np.ndarray | None:
         """i32[G, R, ceil(V / 32)]: each constrained row's allowed tokens (all ones elsewhere); None when
@@ -251,15 +253,15 @@ class EngineCore:
         t = time.perf_counter()
         mask = np.full((batch.shape.groups, batch.shape.sample_rows, structured.bitmask_words(self.vocab_size)),
                        -1, np.int32)
-        for gi, i, matcher in rows:
-            matcher.fill(mask[gi, i])
+        structured.fill_bitmasks([(m, gi * batch.shape.sample_rows + i) for gi, i, m in rows],
+                                 mask.reshape(-1, mask.shape[-1]))
         self.stats["grammar_seconds"] += time.perf_counter() - t
         self.stats["constrained_tokens"] += len(rows)
         return mask
 
-    def _execute(self, plan: StepPlan):
+    def _execute(self, plan: StepPlan, late_bitmask=None):
         """The device work of a step (every process runs it); the sampled rows as numpy."""
-        return self.runner.execute(plan)
+        return self.runner.execute(plan, late_bitmask)
 
     def _append(self, req: Request, token: int, logprob: float, top_ids, top_lp) -> EngineOutput:
         req.token_ids.append(token)

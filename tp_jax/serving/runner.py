@@ -71,13 +71,17 @@ class ModelRunner:
         self.compiled_shapes.add(batch.shape)
         return logits
 
-    def execute(self, plan: StepPlan):
-        """Forward and sample one step; (tokens[G, R], logprob[G, R], top_ids[G, R, N], top_lp[G, R, N]) as numpy."""
+    def execute(self, plan: StepPlan, late_bitmask=None):
+        """Forward and sample one step; (tokens[G, R], logprob[G, R], top_ids[G, R, N], top_lp[G, R, N]) as numpy.
+
+        Structured outputs: `plan.bitmask`, or else `late_bitmask()` (called after the forward is
+        dispatched, so the host fills it while the device computes), masks the logits before sampling."""
         for slot, prompt, outputs in plan.penalty_inits:
             self.init_penalty_slot(slot, prompt, outputs)
         logits = self.forward(plan.batch)
-        if plan.bitmask is not None:                     # structured outputs: -inf where the grammar says no
-            logits = apply_bitmask(logits, self.put(plan.bitmask))
+        bitmask = plan.bitmask if plan.bitmask is not None or late_bitmask is None else late_bitmask()
+        if bitmask is not None:                          # -inf where the grammar says no
+            logits = apply_bitmask(logits, self.put(bitmask))
         n = plan.num_logprobs
         if plan.all_greedy:
             out = _greedy(logits, num_logprobs=n)

@@ -8,7 +8,8 @@
   ValueError naming the problem) and makes one `Matcher` per sequence.
 * `Matcher` — the engine's half, on token ids only: `fill(row)` writes the allowed-token
   bitmask of the next step (int32 words, bit `t % 32` of word `t // 32` for token t),
-  `consume(token)` advances it, `done` says the grammar can take nothing more.
+  `consume(token)` advances it, `done` says the grammar can take nothing more;
+  `fill_bitmasks` fills a step's rows at once on llguidance's thread pool.
 * `apply_bitmask` — the jitted device op: logits[..., V] -> -inf where the bit is 0.
 
 The matcher lives on the engine's Request, so it survives preemption: a preempted request
@@ -212,6 +213,24 @@ def _loads(text: str):
         return json.loads(text)
     except ValueError as e:
         raise ValueError(f"structured outputs: json is not valid JSON: {e}") from None
+
+
+_executor = None
+
+
+def fill_bitmasks(rows: list[tuple[Matcher, int]], mask: np.ndarray) -> None:
+    """Fill row `k` of mask[N, W] (int32, contiguous) for each (matcher, k): one row inline, several on
+    llguidance's thread pool (it releases the GIL)."""
+    global _executor
+    if len(rows) == 1:
+        m, k = rows[0]
+        m.fill(mask[k])
+        return
+    if _executor is None:
+        import llguidance
+        _executor = llguidance.LLExecutor()
+    from llguidance.numpy import fill_next_token_bitmask_par
+    fill_next_token_bitmask_par(_executor, [(m._m, k) for m, k in rows], mask)
 
 
 def bitmask_words(vocab_size: int) -> int:

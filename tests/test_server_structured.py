@@ -191,3 +191,20 @@ def test_8_concurrent_constrained_beside_an_unconstrained_request(tiny_server, c
     for s, a in zip(schemas, answers):
         assert a.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(a.choices[0].message.content), s)
+
+
+def test_the_serving_doc_client_example_runs(tiny_server):
+    """docs/serving.md's openai-client block, run as written against the server (only the URL changed)."""
+    import os
+    import subprocess
+    import sys
+    from tests.server_process import ROOT
+    text = open(os.path.join(ROOT, "docs", "serving.md")).read()
+    code = re.search(r"### With the openai client\n\n```python\n(.*?)```", text, re.S).group(1)
+    assert code.count("client.") >= 9 and 'base_url="http://127.0.0.1:8000/v1"' in code
+    r = subprocess.run([sys.executable, "-c", code.replace("http://127.0.0.1:8000/v1", tiny_server.base)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert json.loads(lines[0])["label"] is not None and lines[1] in ("sunny", "rainy")
+    assert re.fullmatch(r"[0-9]{1,3}\+[0-9]{1,3}", lines[2]) and lines[3].startswith("tool_calls get_weather {")

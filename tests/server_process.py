@@ -5,7 +5,8 @@
         OpenAI(base_url=srv.base, api_key="x").completions.create(...)
 
 `tiny_server` (session) serves the tiny tokenized Llama (SmolLM2's tokenizer) at tp = 2 on
-2 simulated devices as model "tiny"; test modules share it. Metrics helpers read /metrics.
+2 simulated devices as model "tiny", with `--tool-call-parser hermes` and compact constrained JSON
+(`--structured-outputs-config`); test modules share it. Metrics helpers read /metrics.
 """
 
 from __future__ import annotations

@@ -268,3 +268,17 @@ def test_meshes_give_the_single_device_outputs(llm, tiny_path, dp, pp, tp):
     outs = sharded.generate(prompts, params)
     _check_all(schemas, outs)
     assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_a_step_plan_carries_its_bitmask_to_other_processes(llm):
+    """Many hosts: the driver broadcasts the plan as bytes; the bitmask survives the trip (and its absence)."""
+    from tp_jax.serving.batch import StepBatch
+    from tp_jax.serving.plan import StepPlan
+    core = llm.engine.core
+    plan = core._plan(StepBatch.empty(core.warmup_shapes()[0]))
+    assert plan.bitmask is None and StepPlan.from_bytes(plan.to_bytes()).bitmask is None
+    g, r = plan.floats.shape[:2]
+    plan.bitmask = np.random.default_rng(1).integers(-2**31, 2**31, (g, r, VOCAB // 32)).astype(np.int32)
+    back = StepPlan.from_bytes(plan.to_bytes())
+    np.testing.assert_array_equal(back.bitmask, plan.bitmask)
+    np.testing.assert_array_equal(back.floats, plan.floats)

@@ -155,7 +155,7 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
         self.eos = sorted(int(t) for t in eos_token_ids)
         self._ll = None
-        self._lock = threading.Lock()
+        self._lock, self._cache_lock = threading.Lock(), threading.Lock()
         self._cache: dict[str, str] = {}
         self.cache_size = cache_size
         self.compile_seconds = 0.0
@@ -195,9 +195,10 @@ class GrammarCompiler:
         self.compile_seconds += time.perf_counter() - t
         if is_error:
             raise ValueError(f"structured outputs: the {params.kind} cannot be compiled: {messages[0]}")
-        if len(self._cache) >= self.cache_size:
-            self._cache.pop(next(iter(self._cache)))
-        self._cache[key] = grammar
+        with self._cache_lock:                           # the server's loop and the engine thread both compile
+            if len(self._cache) >= self.cache_size:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = grammar
         return grammar
 
     def matcher(self, params: StructuredOutputsParams) -> Matcher:

@@ -13,6 +13,7 @@ from tests.server_process import TINY_ARGS, ServerProcess
 from tp_jax.multihost.launcher import free_port
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
+from tp_jax.serving.structured import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 ENV = {"TP_JAX_INIT_TIMEOUT": "120", "TP_JAX_HEARTBEAT_TIMEOUT": "20"}
@@ -26,12 +27,21 @@ def test_two_processes_serve_as_one(tiny_path, tmp_path):
         rank0.wait_ready()
         prompts = ["Hello there", "Once upon a time", "The capital of France is"]
         sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        exp = [o.outputs[0].text for o in LLM(tiny_path, tensor_parallel_size=2, max_model_len=256,
-                                               progress=False).generate(prompts, sp)]
+        ref = LLM(tiny_path, tensor_parallel_size=2, max_model_len=256, progress=False)
+        exp = [o.outputs[0].text for o in ref.generate(prompts, sp)]
         client = OpenAI(base_url=rank0.base, api_key="unused", max_retries=0, timeout=600)
         got = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0,
                                         extra_body={"ignore_eos": True})
         assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == exp
+        # structured outputs: the driver's bitmasks travel in the step plan to process 1
+        schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 3}
+        so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        exp = [o.outputs[0].text for o in ref.generate(prompts, SamplingParams(max_tokens=24, seed=1,
+                                                                                structured_outputs=so))]
+        got = client.completions.create(model="tiny", prompt=prompts, max_tokens=24, seed=1,
+                                        extra_body={"structured_outputs": {"json": schema}})
+        assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == exp
+        assert all(c.finish_reason == "stop" for c in got.choices)
         assert "following process 0's engine steps" in rank1.log()
         code, took = rank0.signal_and_wait(signal.SIGTERM, 30)
         assert code == 0, rank0.log()[-3000:]

@@ -24,6 +24,8 @@ from collections.abc import AsyncIterator
 from tp_jax.server.echo import join, prompt_logprobs_field, prompt_part
 from tp_jax.server.metrics import ServerMetrics
 from tp_jax.server.protocol import ChatCompletionRequest, CompletionRequest, requested_logprobs, sampling_params
+from tp_jax.server.constraints import request_constraint, with_defaults
+from tp_jax.server.tools import ToolMode, ToolStream, for_template
 from tp_jax.server.responses import ChoiceDelta, Delta, Tokens, chat_logprobs, completion_logprobs, usage
 from tp_jax.serving.outputs import CompletionOutput, RequestOutput
 from tp_jax.serving.sampling import SamplingParams
@@ -53,6 +55,7 @@ class Job:
     params: SamplingParams
     request: CompletionRequest | ChatCompletionRequest
     echo_texts: list[str] | None = None           # completions with echo=true: each prompt's text
+    tools: ToolMode | None = None                 # chat with tools (auto / required / named): calls parsed
 
     @property
     def object(self) -> str:
@@ -60,8 +63,11 @@ class Job:
 
 
 class Handler:
-    def __init__(self, aengine, tokenizer, model_names: list[str], max_model_len: int, metrics: ServerMetrics):
+    def __init__(self, aengine, tokenizer, model_names: list[str], max_model_len: int, metrics: ServerMetrics,
+                 tool_parser: str | None = None, structured_defaults: dict | None = None):
         self.aengine, self.tokenizer, self.names = aengine, tokenizer, list(model_names)
+        self.tool_parser = tool_parser                # tools.PARSERS key for tool_choice "auto", or None
+        self.structured_defaults = dict(structured_defaults or {})     # e.g. {"disable_any_whitespace": True}
         self.max_model_len, self.metrics = max_model_len, metrics
         self.tokens = Tokens(tokenizer)
         self.active: set[str] = set()                # engine request ids in flight
@@ -92,13 +98,27 @@ class Handler:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with token "
                                 "ids", param="messages")
+        mode = self._tool_mode(req)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            text = self.tokenizer.apply_chat_template(req.conversation(), tokenize=False,
-                                                      add_generation_prompt=req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template([for_template(m) for m in req.conversation()], tools=tools,
+                                                      tokenize=False, add_generation_prompt=req.add_generation_prompt)
         except Exception as e:                         # the template's own complaint (jinja, missing template)
             raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        return self._job(True, "chatcmpl", req, [ids], req.token_limit)
+        return self._job(True, "chatcmpl", req, [ids], req.token_limit, mode)
+
+    def _tool_mode(self, req: ChatCompletionRequest) -> ToolMode | None:
+        choice = req.tool_choice_name
+        if choice == "none":
+            return None
+        if choice == "auto" and self.tool_parser is None:
+            raise APIError(400, 'tool_choice "auto" (the default with tools) needs a server started with '
+                                '--tool-call-parser (hermes, llama3_json) to read the model\'s calls; send tool_choice '
+                                '"required", a named function or "none", or restart the server with the flag',
+                           param="tool_choice")
+        name = req.tool_choice.function.name if choice == "named" else None
+        return ToolMode(choice, list(req.tools), name, self.tool_parser, req.parallel_tool_calls is not False)
 
     def _encode(self, prompt: str | list[int], where: str) -> list[int]:
         if isinstance(prompt, list):
@@ -109,22 +129,28 @@ class Handler:
             raise APIError(400, "this model has no tokenizer files: send the prompt as token ids", param="prompt")
         return list(self.tokenizer.encode(prompt))
 
-    def _job(self, chat: bool, prefix: str, req, prompts: list[list[int]], max_tokens: int | None) -> Job:
+    def _job(self, chat: bool, prefix: str, req, prompts: list[list[int]], max_tokens: int | None,
+             tools: ToolMode | None = None) -> Job:
         if req.model is not None and req.model not in self.names:
             raise APIError(400, f"the model `{req.model}` does not exist; this server serves "
                                 f"{', '.join(repr(n) for n in self.names)} (GET /v1/models)", param="model",
                            code="model_not_found")
+        constraint = None
         try:
-            params = sampling_params(req, max_tokens)
+            constraint = request_constraint(req, None if tools is None else tools.constraint())
+            if constraint is not None and self.structured_defaults:
+                constraint = (constraint[0], with_defaults(constraint[1], self.structured_defaults))
+            params = sampling_params(req, max_tokens, constraint and constraint[1])
         except ValueError as e:
-            raise APIError(400, str(e).removeprefix("SamplingParams: ")) from None
+            raise APIError(400, str(e).removeprefix("SamplingParams: "), param=getattr(e, "param", None)) from None
         field = "messages" if chat else "prompt"
         for i, ids in enumerate(prompts):
             where = field if len(prompts) == 1 else f"{field} {i}"
             try:
-                self.aengine.engine.check(ids, params, where)
+                self.aengine.engine.check(ids, params, where)    # a grammar that does not compile: 400 here
             except (ValueError, TypeError) as e:
-                raise APIError(400, str(e), param=field) from None
+                bad = constraint is not None and "structured outputs" in str(e)
+                raise APIError(400, str(e), param=constraint[0] if bad else field) from None
             if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
                 name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
                 raise APIError(400, f"{where} has {len(ids)} tokens and {name}={max_tokens} asks for more: "
@@ -132,7 +158,7 @@ class Handler:
                                     f"{name} to at most {self.max_model_len - len(ids)} or shorten the {field}",
                                param=name, code="context_length_exceeded")
         model = req.model if req.model is not None else self.names[0]
-        return Job(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, prompts, params, req)
+        return Job(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, prompts, params, req, tools)
 
     # --- running it ----------------------------------------------------------------------------------
     async def _run(self, job: Job, stream: bool) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -173,8 +199,10 @@ class Handler:
     def _choice(self, job: Job, index: int, c: CompletionOutput, out: RequestOutput) -> dict:
         lp = self._logprobs(job, Delta(c.token_ids, c.logprobs, c.text, None, None, 0))
         if job.chat:
-            return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason) if job.tools is None \
+                else job.tools.message(c.text, c.finish_reason)
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason,
+                    "stop_reason": c.stop_reason}
         text, lp, extra = self._with_prompt(job, index, out, c.text, lp, True)
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason, **extra}
@@ -209,6 +237,7 @@ class Handler:
         """Server-sent events: a chunk per new token(s) of each choice, usage if asked, then [DONE]."""
         n, include_usage = job.params.n, job.request.include_usage
         deltas = [ChoiceDelta(job.params.stop) for _ in range(len(job.prompts) * n)]
+        tool_streams = None if job.tools is None else [ToolStream(job.tools) for _ in deltas]
         extra = {"usage": None} if include_usage else {}
         chunk = lambda choices: sse({"id": job.id, "object": f"{job.object}.chunk" if job.chat else job.object,
                                      "created": job.created, "model": job.model, "choices": choices, **extra})
@@ -223,7 +252,8 @@ class Handler:
                 for c in out.outputs:
                     d = deltas[i * n + c.index].update(c)
                     if d is not None:
-                        choices.append(self._chunk_choice(job, i * n + c.index, d, out))
+                        k = i * n + c.index
+                        choices.append(self._chunk_choice(job, k, d, out, tool_streams and tool_streams[k]))
                 if choices:
                     yield chunk(choices)
         except Exception as e:                         # the engine failed mid-stream: say so, then end it
@@ -235,10 +265,14 @@ class Handler:
                        "usage": self._usage(job, last.values())})
         yield "data: [DONE]\n\n"
 
-    def _chunk_choice(self, job: Job, index: int, d: Delta, out: RequestOutput) -> dict:
+    def _chunk_choice(self, job: Job, index: int, d: Delta, out: RequestOutput,
+                      tools: ToolStream | None = None) -> dict:
         common = {"index": index, "logprobs": self._logprobs(job, d), "finish_reason": d.finish_reason}
         if d.finish_reason is not None:
             common["stop_reason"] = d.stop_reason
+        if tools is not None:
+            delta, common["finish_reason"] = tools.delta(d.text, d.finish_reason)
+            return {**common, "delta": delta}
         if job.chat:
             return {**common, "delta": {"content": d.text} if d.text or d.finish_reason is None else {}}
         text, common["logprobs"], extra = self._with_prompt(job, index, out, d.text, common["logprobs"], d.first)

@@ -49,7 +49,8 @@ def engine_snapshot(engine) -> dict:
             "kv_usage": core.kv_usage(), "prefix_hit_rate": core.prefix_cache_hit_rate(),
             "prefix_queries": sum(b.prefix_queries for b in blocks), "prefix_hits": sum(b.prefix_hits for b in blocks),
             "generated_tokens": core.stats["generated_tokens"], "preemptions": core.stats["preemptions"],
-            "steps": core.stats["steps"]}
+            "steps": core.stats["steps"], "constrained_tokens": core.stats["constrained_tokens"],
+            "grammar_seconds": core.stats["grammar_seconds"]}
 
 
 class _EngineCollector:
@@ -74,7 +75,11 @@ class _EngineCollector:
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_queries"),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_hits"),
                     ("num_preemptions", "Requests preempted (blocks freed, recomputed later)", "preemptions"),
-                    ("engine_steps", "Engine steps run", "steps")]
+                    ("engine_steps", "Engine steps run", "steps"),
+                    ("structured_output_tokens", "Tokens sampled under a grammar (structured outputs)",
+                     "constrained_tokens"),
+                    ("structured_output_host_seconds", "Host time of the grammar matchers: bitmasks and token "
+                     "advances (structured outputs)", "grammar_seconds")]
         for name, doc, key in counters:
             yield CounterMetricFamily(f"tp_jax:{name}", doc, value=s[key])
 

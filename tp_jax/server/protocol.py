@@ -8,6 +8,7 @@
   unknown fields are refused too, naming the field. OpenAI fields this server does not
   implement are accepted only at their neutral value (`logit_bias={}`, `suffix`, ...).
 * `sampling_params(request, max_tokens)` — the engine's `SamplingParams` for a request.
+* `response_format`, `structured_outputs`, `tools`, `tool_choice` — see tp_jax/server/constraints.py.
 * `ErrorResponse` — OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`.
 
 Responses are built as plain dicts in OpenAI's layout (see tp_jax/server/responses.py).
@@ -19,7 +20,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tp_jax.server.constraints import NamedToolChoice, ResponseFormat, StructuredOutputsRequest, Tool
 from tp_jax.serving.sampling import SamplingParams
+from tp_jax.serving.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20           # the engine's max_logprobs (EngineConfig)
 
@@ -69,6 +72,9 @@ class _Sampling(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None    # per prompt token, + top-N
+    # structured outputs (tp_jax/server/constraints.py): OpenAI's response_format, vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @model_validator(mode="after")
     def _neutral_only(self):
@@ -150,17 +156,19 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Any] | None = None                 # only empty: refused otherwise
-    tool_choice: Literal["none"] | None = None
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # None: auto with tools
+    parallel_tool_calls: bool | None = None        # accepted; a model may make several calls
     add_generation_prompt: bool = True             # vLLM's extra: end with the assistant's turn
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.tools:
-            raise ValueError("tools are not supported by this server; leave them out")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError(f"response_format={self.response_format} is not supported (only {{'type': 'text'}})")
+        names = [t.function.name for t in self.tools or ()]
+        if self.tool_choice not in (None, "none") and not names:
+            raise ValueError(f"tool_choice={self.tool_choice_name!r} needs tools; send tools or leave tool_choice out")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                             f"among the tools ({', '.join(map(repr, names))})")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -168,6 +176,13 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens} "
                              f"disagree; send only max_completion_tokens")
         return self
+
+    @property
+    def tool_choice_name(self) -> str:
+        """ "none", "auto", "required" or "named" (tools with no tool_choice: "auto", as OpenAI)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     @property
     def token_limit(self) -> int | None:
@@ -184,8 +199,10 @@ def requested_logprobs(request: CompletionRequest | ChatCompletionRequest) -> in
     return request.logprobs
 
 
-def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
-    """The engine's SamplingParams (ValueError naming the field if the engine refuses a value)."""
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The engine's SamplingParams (ValueError naming the field if the engine refuses a value);
+    `structured_outputs`: the answer's constraint (constraints.request_constraint)."""
     r = request
     return SamplingParams(
         n=r.n, max_tokens=max_tokens, temperature=1.0 if r.temperature is None else r.temperature,
@@ -194,4 +211,5 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, seed=r.seed,
         stop=r.stop, stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos,
         logprobs=requested_logprobs(r), include_stop_str_in_output=r.include_stop_str_in_output,
-        prompt_logprobs=r.engine_prompt_logprobs if isinstance(r, CompletionRequest) else r.prompt_logprobs)
+        prompt_logprobs=r.engine_prompt_logprobs if isinstance(r, CompletionRequest) else r.prompt_logprobs,
+        structured_outputs=structured_outputs)

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_host
 from tp_jax.parallel.mesh import DP, PP
-from tp_jax.serving import prompt_logprobs, sampling
+from tp_jax.serving import prompt_logprobs, sampling, structured
 from tp_jax.serving.batch import (MIN_BLOCKS, MIN_PREFILL_WIDTH, MIN_TOKENS, StepBatch, StepShape, bucket,
                                   build_batch, fine_bucket)
 from tp_jax.serving.kv_pool import plan_pool
@@ -122,7 +122,8 @@ class EngineCore:
         self.free_slots = list(range(self.num_slots))[::-1]
         self.requests: dict[str, Request] = {}
         self.rng = np.random.default_rng(config.seed)
-        self.stats = {"steps": 0, "scheduled_tokens": 0, "generated_tokens": 0, "preemptions": 0, "max_running": 0}
+        self.stats = {"steps": 0, "scheduled_tokens": 0, "generated_tokens": 0, "preemptions": 0, "max_running": 0,
+                      "constrained_tokens": 0, "grammar_seconds": 0.0}     # structured outputs: rows, host time
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams,
@@ -138,21 +139,25 @@ class EngineCore:
         self.scheduler.add(req)
 
     def make_request(self, request_id: str, prompt_token_ids, params: SamplingParams,
-                     arrival_time: float | None = None, *, where: str | None = None) -> Request:
+                     arrival_time: float | None = None, *, where: str | None = None, matcher=None) -> Request:
         """A validated Request (not queued): every check before any device work. Errors start
-        with `where` (default "request <id>")."""
+        with `where` (default "request <id>"). `matcher`: the structured-outputs grammar state
+        (serving/structured.py Matcher) that the front door compiled from `params.structured_outputs`."""
         cfg = self.config
         where = where or f"request {request_id}"
         if not isinstance(request_id, str) or request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use (or not a string); give a new one")
         self.check(prompt_token_ids, params, where)
+        if (params.structured_outputs is None) != (matcher is None):
+            raise ValueError(f"{where}: structured_outputs need a matcher compiled with the tokenizer (LLMEngine "
+                             f"does it); the engine core sees token ids only")
         ids = list(prompt_token_ids)
         room = cfg.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         words = sampling.key_words(params.seed, tuple(int(w) for w in self.rng.integers(0, 2**32, size=2)))
         return Request(request_id, len(ids), ids, params, max_tokens, words,
                        time.monotonic() if arrival_time is None else arrival_time,
-                       sample_floats=sampling.row_floats(params))
+                       sample_floats=sampling.row_floats(params), matcher=matcher)
 
     def check(self, prompt_token_ids, params: SamplingParams, where: str) -> None:
         """ValueError / TypeError, naming `where`, for a request this engine can never serve."""
@@ -199,8 +204,10 @@ class EngineCore:
         batch = build_batch(out, tables, self.config.block_size, self.microbatches)
         plan = self._plan(batch)
         if jax.process_count() > 1:
+            plan.bitmask = self._bitmask(batch)          # the followers need it in the plan
             broadcast_bytes(plan.to_bytes())
-        tokens, chosen, top_ids, top_lp, scored = self._execute(plan)
+        # one process: the grammars' bitmasks are filled on the host while the device runs the forward
+        tokens, chosen, top_ids, top_lp, scored = self._execute(plan, lambda: self._bitmask(batch))
         if plan.prompt is not None:
             prompt_logprobs.collect(plan.prompt, scored)
         self.scheduler.update(out)
@@ -244,9 +251,25 @@ class EngineCore:
         return StepPlan(batch, floats, top_k, words, steps, slots, num_logprobs, penalties, greedy and not penalties,
                         inits, prompt_logprobs.plan(batch, self.vocab_size))
 
-    def _execute(self, plan: StepPlan):
+    def _bitmask(self, batch) -> np.ndarray | None:
+        """i32[G, R, ceil(V / 32)]: each constrained row's allowed tokens (all ones elsewhere); None when
+        no row of the step is constrained, so unconstrained steps run exactly as before."""
+        rows = [(gi, i, row.request.matcher) for gi, rows in enumerate(batch.rows) for i, row in enumerate(rows)
+                if row is not None and row.samples and row.request.matcher is not None]
+        if not rows:
+            return None
+        t = time.perf_counter()
+        mask = np.full((batch.shape.groups, batch.shape.sample_rows, structured.bitmask_words(self.vocab_size)),
+                       -1, np.int32)
+        structured.fill_bitmasks([(m, gi * batch.shape.sample_rows + i) for gi, i, m in rows],
+                                 mask.reshape(-1, mask.shape[-1]))
+        self.stats["grammar_seconds"] += time.perf_counter() - t
+        self.stats["constrained_tokens"] += len(rows)
+        return mask
+
+    def _execute(self, plan: StepPlan, late_bitmask=None):
         """The device work of a step (every process runs it); the sampled rows as numpy."""
-        return self.runner.execute(plan)
+        return self.runner.execute(plan, late_bitmask)
 
     def _append(self, req: Request, token: int, logprob: float, top_ids, top_lp) -> EngineOutput:
         req.token_ids.append(token)
@@ -257,7 +280,9 @@ class EngineCore:
                            num_cached_tokens=max(req.num_cached_tokens, 0))
         if req.params.prompt_logprobs is not None and req.num_output_tokens == 1:
             out.prompt_logprobs = req.prompt_logprobs
-        reason, stop = self._check_stop(req, token)
+        reason, stop = self._advance_matcher(req, token) if req.matcher is not None else (None, None)
+        if reason is None:
+            reason, stop = self._check_stop(req, token)
         if reason is not None:
             self._finish(req, reason, stop)
             out.finish_reason, out.stop_reason = reason, stop
@@ -269,6 +294,21 @@ class EngineCore:
                            num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logprobs=req.prompt_logprobs)
         self._finish(req, "length", None)
         return out
+
+    def _advance_matcher(self, req: Request, token: int):
+        """Feed a constrained request's token to its grammar: ("stop", None) once the grammar is complete
+        (nothing but an end token could follow), else (None, None). An end token (allowed only where the
+        grammar accepts) and stop token ids are left to `_check_stop`."""
+        if (token in self.eos and not req.params.ignore_eos) or token in req.params.stop_token_ids:
+            return None, None
+        t = time.perf_counter()
+        ok = req.matcher.consume(token)
+        done = req.matcher.done
+        self.stats["grammar_seconds"] += time.perf_counter() - t
+        if not ok:
+            raise RuntimeError(f"request {req.request_id}: the grammar refused token {token}, which its own "
+                               f"bitmask allowed: {req.matcher.error()}")
+        return ("stop", None) if done else (None, None)
 
     def _check_stop(self, req: Request, token: int):
         p = req.params

@@ -24,6 +24,7 @@ from tp_jax.serving.engine import EngineCore
 from tp_jax.serving.outputs import RequestMetrics, RequestOutput
 from tp_jax.serving.processor import OutputProcessor, RequestState, _Sample
 from tp_jax.serving.sampling import SamplingParams
+from tp_jax.serving.structured import GrammarCompiler
 
 
 def parse_prompt(prompt, tokenizer, where: str = "prompt") -> tuple[str | None, list[int]]:
@@ -60,6 +61,7 @@ class LLMEngine:
         self.core, self.tokenizer = core, tokenizer
         self.processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
+        self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer, core.vocab_size, core.eos)
 
     def check(self, prompt, params: SamplingParams | None, where: str):
         """(text, token ids, per-sample params) of a request, or the ValueError / TypeError it would
@@ -73,7 +75,18 @@ class LLMEngine:
         children = [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
                     for i in range(params.n)]
         self.core.check(ids, children[0], where)
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError(f"{where}: structured outputs need a tokenizer, and this model has none")
+            try:
+                self.grammars.grammar(params.structured_outputs)      # compiled (and cached) before anything runs
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
         return text, ids, children
+
+    def _matcher(self, params: SamplingParams):
+        so = params.structured_outputs
+        return None if so is None else self.grammars.matcher(so)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, stream: bool = False, where: str | None = None) -> None:
@@ -85,7 +98,8 @@ class LLMEngine:
         text, ids, children = self.check(prompt, params, where or f"request {request_id}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_ids = [f"{request_id}#{next(self._ids)}" for _ in children]
-        reqs = [self.core.make_request(cid, ids, p, arrival, where=where) for cid, p in zip(core_ids, children)]
+        reqs = [self.core.make_request(cid, ids, p, arrival, where=where, matcher=self._matcher(p))
+                for cid, p in zip(core_ids, children)]         # n > 1: a matcher per sample
         state = RequestState(request_id, text, ids, [_Sample(p) for p in children], RequestMetrics(arrival))
         self.processor.add(state, core_ids, stream)
         for r in reqs:

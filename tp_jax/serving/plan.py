@@ -32,6 +32,7 @@ class StepPlan:
     all_greedy: bool
     penalty_inits: list[tuple[int, list[int], list[int]]]     # (slot, prompt ids, output ids)
     prompt: PromptPlan | None = None       # prompt positions to score (prompt_logprobs.py)
+    bitmask: np.ndarray | None = None      # i32[G, R, ceil(V/32)] allowed tokens (structured outputs), or None
 
     SAMPLE_ARRAYS = ("floats", "top_k", "words", "steps", "penalty_rows")
 
@@ -43,6 +44,8 @@ class StepPlan:
     def to_bytes(self) -> bytes:
         arrays = {**self.batch.arrays(), **{k: getattr(self, k) for k in self.SAMPLE_ARRAYS}}
         assert len(arrays) == len(StepBatch.ARRAYS) + len(self.SAMPLE_ARRAYS), "array names must not collide"
+        if self.bitmask is not None:
+            arrays["bitmask"] = self.bitmask
         header = {"shape": dataclasses.astuple(self.batch.shape), "num_logprobs": self.num_logprobs,
                   "penalties": self.penalties, "all_greedy": self.all_greedy, "penalty_inits": self.penalty_inits}
         if self.prompt is not None:
@@ -60,4 +63,5 @@ class StepPlan:
         batch = StepBatch(StepShape(*header["shape"]), *(a[k] for k in StepBatch.ARRAYS), rows=[])
         prompt = PromptPlan(a["prompt_index"], a["prompt_target"], header["prompt_k"]) if "prompt_k" in header else None
         return cls(batch, *(a[k] for k in cls.SAMPLE_ARRAYS), header["num_logprobs"], header["penalties"],
-                   header["all_greedy"], [tuple(x) for x in header["penalty_inits"]], prompt)
+                   header["all_greedy"], [tuple(x) for x in header["penalty_inits"]], prompt,
+                   bitmask=a.get("bitmask"))

@@ -45,6 +45,7 @@ class Request:
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     sample_floats: tuple[float, ...] = ()   # the sampler's per-row floats (sampling.row_floats), set once
     prompt_logprobs: list = dataclasses.field(default_factory=lambda: [None])   # scored so far (prompt_logprobs.py)
+    matcher: object | None = None    # structured outputs: its grammar's state (serving/structured.py Matcher)
 
     @property
     def num_tokens(self) -> int:

@@ -33,6 +33,7 @@ from tp_jax.serving.batch import StepShape, unpack
 from tp_jax.serving.kv_pool import POOL_SPEC, PoolShape, new_pool
 from tp_jax.serving.plan import StepPlan
 from tp_jax.serving.sampling import SamplingTensors
+from tp_jax.serving.structured import apply_bitmask
 
 
 class ModelRunner:
@@ -78,12 +79,18 @@ class ModelRunner:
         self.compiled_shapes.add(batch.shape)
         return logits, (scored[0] if scored else None)
 
-    def execute(self, plan: StepPlan):
+    def execute(self, plan: StepPlan, late_bitmask=None):
         """Forward and sample one step; (tokens[G, R], logprob[G, R], top_ids[G, R, N], top_lp[G, R, N], prompt)
-        as numpy, `prompt` the scored prompt positions (i32[G, Q, 1 + 2k]) or None."""
+        as numpy, `prompt` the scored prompt positions (i32[G, Q, 1 + 2k]) or None.
+
+        Structured outputs: `plan.bitmask`, or else `late_bitmask()` (called after the forward is
+        dispatched, so the host fills it while the device computes), masks the logits before sampling."""
         for slot, prompt, outputs in plan.penalty_inits:
             self.init_penalty_slot(slot, prompt, outputs)
         logits, scored = self.forward(plan.batch, plan.prompt)
+        bitmask = plan.bitmask if plan.bitmask is not None or late_bitmask is None else late_bitmask()
+        if bitmask is not None:                          # -inf where the grammar says no
+            logits = apply_bitmask(logits, self.put(bitmask))
         n = plan.num_logprobs
         if plan.all_greedy:
             out = _greedy(logits, num_logprobs=n)

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tp_jax.serving.structured import StructuredOutputsParams
+
 SAMPLING_EPS = 1e-5   # vLLM's _SAMPLING_EPS: temperature below it means greedy
 
 # field: (integer?, predicate, allowed range as said in the error)
@@ -97,6 +99,7 @@ class SamplingParams:
     logprobs: int | None = None           # top-N logprobs per generated token
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None    # per prompt token: its logprob + the top-N (prompt_logprobs.py)
+    structured_outputs: StructuredOutputsParams | None = None   # a JSON schema / regex / choice / grammar
 
     def __post_init__(self):
         for name, (integer, ok, allowed) in _RULES.items():
@@ -111,6 +114,12 @@ class SamplingParams:
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("SamplingParams: max_tokens=0 generates nothing; it is allowed only with "
                              "prompt_logprobs (score the prompt): set prompt_logprobs=0, or max_tokens >= 1")
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            object.__setattr__(self, "structured_outputs", so := StructuredOutputsParams(**so))
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"SamplingParams: structured_outputs must be a StructuredOutputsParams (or a dict of "
+                             f"its fields), got {type(so).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -137,10 +137,10 @@ CONFIG_MISMATCHES = {
         r"tensors with the wrong shape \(2 problems\)(.|\n)*tensor 'model.embed_tokens.weight' has shape "
         r"\(1000, 64\), expected \(1200, 64\) \(param 'model.embed_tokens.embedding' part 'weight', "
         r"Entry\(hf='model.embed_tokens.weight'"),
-    "an unknown field": (
+    "a field of another architecture": (
         dict(embedding_multiplier=12.0), UnsupportedConfigError,
-        r"config field embedding_multiplier=12.0 is not supported by tp_jax's LlamaForCausalLM \(not a field of "
-        r"LlamaConfig\); it reads only \[.*'rms_norm_eps'"),
+        r"config field embedding_multiplier=12.0 asks for a scaled token embedding \(Granite\), which tp_jax's "
+        r"LlamaForCausalLM does not implement"),
     "a missing required field": (
         dict(intermediate_size=None), UnsupportedConfigError,
         r"config.json lacks the field 'intermediate_size', which LlamaForCausalLM requires"),

@@ -9,7 +9,8 @@ The rule for every other field follows what the field does, not a list of harmle
 (docs/adding_a_model.md, "The config map"). `read_fields` refuses, naming the field and the fix:
 * a required field that is missing (or null);
 * `quantization_config`: a GPTQ / AWQ / bitsandbytes / FP8 ... checkpoint, named by its method
-  (`quantization_refusal`), before any weight is read;
+  (`quantization_refusal`), before any weight is read (not `"gguf"`: transformers writes that
+  for a GGUF it dequantized, whose saved tensors are float);
 * a field that transformers' reference implementation of the architecture reads
   (`models/reference.py`, from its source), that the model map does not read, with a value
   other than the config class's default: it changes the math in a way tp_jax does not
@@ -52,6 +53,9 @@ ACTIVE_ELSEWHERE = {
     "clip_qkv": ((None,), "clipped q/k/v activations (OLMo)"),
 }
 
+# quant_method values whose weights transformers stores dequantized: its GGUF load writes
+# {"quant_method": "gguf"} into the config.json of a save_pretrained copy whose tensors are float.
+DEQUANTIZED_METHODS = frozenset({"gguf"})
 # quantization_config's quant_method -> the name users know
 QUANT_METHODS = {"gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes", "fp8": "FP8",
                  "fbgemm_fp8": "FP8 (fbgemm)", "compressed-tensors": "compressed-tensors", "aqlm": "AQLM",
@@ -162,6 +166,8 @@ def quantization_refusal(qc) -> None:
     qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc) if isinstance(qc, Mapping) else {"quant_method": qc}
     method = str(qc.get("quant_method") or ("bitsandbytes" if qc.get("load_in_4bit") or qc.get("load_in_8bit")
                                              else "unknown"))
+    if method.lower() in DEQUANTIZED_METHODS:
+        return
     name = QUANT_METHODS.get(method.lower(), method)
     if method.lower() == "bitsandbytes":
         name += " 4-bit" if qc.get("load_in_4bit") else " 8-bit" if qc.get("load_in_8bit") else ""

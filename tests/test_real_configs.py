@@ -232,6 +232,13 @@ def test_quantized_checkpoint_config_names_its_method(method, tmp_path):
         load_config(model_dir(tmp_path, cfg))
 
 
+def test_dequantized_gguf_copy_is_not_refused(tmp_path):
+    """transformers writes {"quant_method": "gguf"} into the config of a GGUF it dequantized and saved as float."""
+    cfg = published("SmolLM2-135M")
+    assert load_config(model_dir(tmp_path, {**cfg, "quantization_config": {"quant_method": "gguf"}})) == \
+        load_config(model_dir(tmp_path, cfg, sub="plain"))
+
+
 # --- the reference's reads, from transformers' source -------------------------------------------
 
 def test_reference_reads_come_from_the_modeling_source():

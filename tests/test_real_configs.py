@@ -104,6 +104,7 @@ def test_the_collection_covers_the_issue():
     assert all(any(f in n for n in PUBLISHED) for f in families)
 
 
+@pytest.mark.slow            # ~2 s a config (two abstract builds and transformers' meta model), 47 configs
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_published_config_loads_and_builds_at_tp8(name, tmp_path):
     """load_config accepts it; at tp = 1 the model has transformers' exact parameter count (sizes, heads,

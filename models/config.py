@@ -39,8 +39,7 @@ TRAINING_ONLY_SUFFIXES = ("dropout", "pdrop")
 
 # field -> (its inactive values, what it does where it is read). Refused when set to anything else.
 ACTIVE_ELSEWHERE = {
-    "use_mrope": ((None, False), "multimodal rotary positions (Qwen2-VL's M-RoPE); serve the text model's "
-                                 "own release"),
+    "use_mrope": ((None, False), "multimodal rotary positions (Qwen2-VL's M-RoPE)"),
     "rope_interleaved": ((None, False), "rotary embedding over interleaved pairs (GPT-J layout) instead of halves"),
     "partial_rotary_factor": ((None, 1, 1.0), "rotary embedding on only part of each head"),
     "attn_logit_softcapping": ((None, 0, 0.0), "tanh soft-capping of attention scores (Gemma 2)"),
@@ -151,8 +150,9 @@ def check_unknown_fields(hf, fields: Mapping[str, Any], architecture: str) -> No
         if name in defaults and defaults[name] == value:
             continue
         default = f"default {defaults[name]!r}" if name in defaults else "not a field of " + type(hf).__name__
-        why = (f"transformers' {modeling_module(hf).rsplit('.', 1)[-1]}.py reads it, so it changes the model"
-               if read is not None else f"tp_jax reads only {sorted(fields)}")
+        why = (f"transformers' {architecture} reads it ({modeling_module(hf).rsplit('.', 1)[-1]}.py and the rotary / "
+               f"mask code it calls), so it changes the model" if read is not None
+               else f"tp_jax reads only {sorted(fields)}")
         raise UnsupportedConfigError(
             f"config field {name}={value!r} is not supported by tp_jax's {architecture} ({default}); {why}, and "
             f"tp_jax does not implement it. Remove the field or set it to the default only if the checkpoint "

@@ -194,9 +194,9 @@ REFUSED = {   # case: (config dict, regex the error must match)
     "interleaved rope": (edited("SmolLM2-135M", rope_interleaved=True), r"rope_interleaved=True asks for rotary"),
     "chunked attention": (edited("Llama-3.1-8B", attention_chunk_size=8192),
                           r"attention_chunk_size=8192 is not supported by tp_jax's LlamaForCausalLM .*"
-                          r"transformers' modeling_llama.py reads it"),
+                          r"transformers' LlamaForCausalLM reads it \(modeling_llama.py and the rotary / mask code"),
     "gpt2 inverse layer scaling": (edited("gpt2", scale_attn_by_inverse_layer_idx=True),
-                                   r"scale_attn_by_inverse_layer_idx=True .*modeling_gpt2.py reads it"),
+                                   r"scale_attn_by_inverse_layer_idx=True .*transformers' GPT2LMHeadModel reads it"),
     "gpt2 cross attention": (edited("gpt2", add_cross_attention=True), r"add_cross_attention=True"),
     "mistral sliding window on llama": (edited("Llama-2-7b-hf", sliding_window=4096),
                                         r"sliding_window=4096 \(an active sliding window\) is not supported"),

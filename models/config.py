@@ -5,12 +5,23 @@ Each model file declares the HF config fields it reads as a map `{field: default
 subclass) from them with `read_fields`. What `LLM` and the serving engine read is
 `ModelConfig`: sizes, head counts, position limit and special tokens.
 
-`read_fields` refuses, naming the field:
+The rule for every other field follows what the field does, not a list of harmless names
+(docs/adding_a_model.md, "The config map"). `read_fields` refuses, naming the field and the fix:
 * a required field that is missing (or null);
-* an *unknown* field: one the model does not read, that is not in `NO_EFFECT` (fields
-  with no effect on inference), whose value differs from the HF config class's default.
-  Such a field changes the architecture in a way the model does not implement, so it
-  must not be silently ignored.
+* `quantization_config`: a GPTQ / AWQ / bitsandbytes / FP8 ... checkpoint, named by its method
+  (`quantization_refusal`), before any weight is read (not `"gguf"`: transformers writes that
+  for a GGUF it dequantized, whose saved tensors are float);
+* a field that transformers' reference implementation of the architecture reads
+  (`models/reference.py`, from its source), that the model map does not read, with a value
+  other than the config class's default: it changes the math in a way tp_jax does not
+  implement. Reads that matter only for training (`TRAINING_ONLY`: dropout, weight init,
+  the padding index's gradient) are exempt;
+* a field of `ACTIVE_ELSEWHERE` set to an active value: switches that change the math in a
+  sibling architecture (M-RoPE, interleaved rotary, soft-capping, Granite's multipliers);
+  the reference of *this* architecture ignores them, so a config stating them was written
+  for a model that would run differently.
+Everything else (special tokens, generation defaults, `torchscript`, `auto_map`,
+`is_llama_config`, `n_ctx`, ...) is never read by the reference and is accepted.
 """
 
 from __future__ import annotations
@@ -21,16 +32,34 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-# Fields of any HF config that do not change inference (training, bookkeeping, output switches).
-NO_EFFECT = frozenset({
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
-    "output_hidden_states", "output_attentions", "return_dict", "use_cache", "initializer_range",
-    "chunk_size_feed_forward", "id2label", "label2id", "problem_type", "pad_token_id", "tokenizer_class",
-    "pretraining_tp", "attention_dropout", "hidden_dropout", "embd_pdrop", "attn_pdrop", "resid_pdrop",
-    "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
-    "is_encoder_decoder", "prefix", "task_specific_params", "finetuning_task", "_attn_implementation_autoset",
-    "_commit_hash", "tie_encoder_decoder", "cross_attention_hidden_size", "unsloth_version", "quantization_config",
-})
+# Fields the reference reads only when training: dropout is off at inference, init is overwritten
+# by the checkpoint, the padding index only zeroes its embedding row's gradient.
+TRAINING_ONLY = frozenset({"initializer_range", "pad_token_id", "use_cache"})
+TRAINING_ONLY_SUFFIXES = ("dropout", "pdrop")
+
+# field -> (its inactive values, what it does where it is read). Refused when set to anything else.
+ACTIVE_ELSEWHERE = {
+    "use_mrope": ((None, False), "multimodal rotary positions (Qwen2-VL's M-RoPE)"),
+    "rope_interleaved": ((None, False), "rotary embedding over interleaved pairs (GPT-J layout) instead of halves"),
+    "partial_rotary_factor": ((None, 1, 1.0), "rotary embedding on only part of each head"),
+    "attn_logit_softcapping": ((None, 0, 0.0), "tanh soft-capping of attention scores (Gemma 2)"),
+    "final_logit_softcapping": ((None, 0, 0.0), "tanh soft-capping of the logits (Gemma 2)"),
+    "query_pre_attn_scalar": ((None,), "another attention scale (Gemma 2)"),
+    "embedding_multiplier": ((None, 1, 1.0), "a scaled token embedding (Granite)"),
+    "residual_multiplier": ((None, 1, 1.0), "scaled residual branches (Granite)"),
+    "attention_multiplier": ((None,), "another attention scale (Granite)"),
+    "logits_scaling": ((None, 1, 1.0), "scaled logits (Granite)"),
+    "clip_qkv": ((None,), "clipped q/k/v activations (OLMo)"),
+}
+
+# quant_method values whose weights transformers stores dequantized: its GGUF load writes
+# {"quant_method": "gguf"} into the config.json of a save_pretrained copy whose tensors are float.
+DEQUANTIZED_METHODS = frozenset({"gguf"})
+# quantization_config's quant_method -> the name users know
+QUANT_METHODS = {"gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes", "fp8": "FP8",
+                 "fbgemm_fp8": "FP8 (fbgemm)", "compressed-tensors": "compressed-tensors", "aqlm": "AQLM",
+                 "hqq": "HQQ", "eetq": "EETQ", "quanto": "quanto", "torchao": "torchao", "mxfp4": "MXFP4",
+                 "bitnet": "BitNet", "auto-round": "AutoRound", "exl2": "EXL2"}
 
 
 class UnsupportedConfigError(ValueError):
@@ -101,16 +130,51 @@ def read_fields(hf, fields: Mapping[str, Any], architecture: str, raw: Mapping |
 
 
 def check_unknown_fields(hf, fields: Mapping[str, Any], architecture: str) -> None:
+    """Refuse the fields of `hf` outside `fields` that change the math (the rule in the module docstring)."""
+    from tp_jax.models.reference import modeling_module, reference_reads
+    quantization_refusal(getattr(hf, "quantization_config", None))
+    read = reference_reads(hf, architecture)
     defaults = _class_defaults(type(hf))
     for name, value in hf.to_dict().items():
-        if name in fields or name in NO_EFFECT or name.startswith("_"):
+        if name in fields or name.startswith("_") or name == "quantization_config":
+            continue
+        if name in ACTIVE_ELSEWHERE and value not in ACTIVE_ELSEWHERE[name][0]:
+            raise UnsupportedConfigError(
+                f"config field {name}={value!r} asks for {ACTIVE_ELSEWHERE[name][1]}, which tp_jax's {architecture} "
+                f"does not implement; this config was written for another model. Remove the field or set it "
+                f"to {ACTIVE_ELSEWHERE[name][0][-1]!r} only if the checkpoint was trained without it")
+        if read is not None and name not in read:
+            continue                  # the reference never reads it: it cannot change the result
+        if name in TRAINING_ONLY or name.endswith(TRAINING_ONLY_SUFFIXES):
             continue
         if name in defaults and defaults[name] == value:
             continue
         default = f"default {defaults[name]!r}" if name in defaults else "not a field of " + type(hf).__name__
+        why = (f"transformers' {architecture} reads it ({modeling_module(hf).rsplit('.', 1)[-1]}.py and the rotary / "
+               f"mask code it calls), so it changes the model" if read is not None
+               else f"tp_jax reads only {sorted(fields)}")
         raise UnsupportedConfigError(
-            f"config field {name}={value!r} is not supported by tp_jax's {architecture} ({default}); "
-            f"it reads only {sorted(fields)}. Remove the field or set it to the default")
+            f"config field {name}={value!r} is not supported by tp_jax's {architecture} ({default}); {why}, and "
+            f"tp_jax does not implement it. Remove the field or set it to the default only if the checkpoint "
+            f"was trained that way")
+
+
+def quantization_refusal(qc) -> None:
+    """UnsupportedConfigError naming the method of a `quantization_config` (None: nothing to refuse)."""
+    if qc is None:
+        return
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc) if isinstance(qc, Mapping) else {"quant_method": qc}
+    method = str(qc.get("quant_method") or ("bitsandbytes" if qc.get("load_in_4bit") or qc.get("load_in_8bit")
+                                             else "unknown"))
+    if method.lower() in DEQUANTIZED_METHODS:
+        return
+    name = QUANT_METHODS.get(method.lower(), method)
+    if method.lower() == "bitsandbytes":
+        name += " 4-bit" if qc.get("load_in_4bit") else " 8-bit" if qc.get("load_in_8bit") else ""
+    raise UnsupportedConfigError(
+        f"{name} checkpoints are not supported yet (config.json has quantization_config with quant_method="
+        f"{method!r}); use the model's float or GGUF release, with `--quantization int8` "
+        f"(LLM(..., quantization='int8')) to quantize it on load")
 
 
 def _class_defaults(cls) -> dict[str, Any]:

@@ -137,10 +137,10 @@ CONFIG_MISMATCHES = {
         r"tensors with the wrong shape \(2 problems\)(.|\n)*tensor 'model.embed_tokens.weight' has shape "
         r"\(1000, 64\), expected \(1200, 64\) \(param 'model.embed_tokens.embedding' part 'weight', "
         r"Entry\(hf='model.embed_tokens.weight'"),
-    "an unknown field": (
+    "a field of another architecture": (
         dict(embedding_multiplier=12.0), UnsupportedConfigError,
-        r"config field embedding_multiplier=12.0 is not supported by tp_jax's LlamaForCausalLM \(not a field of "
-        r"LlamaConfig\); it reads only \[.*'rms_norm_eps'"),
+        r"config field embedding_multiplier=12.0 asks for a scaled token embedding \(Granite\), which tp_jax's "
+        r"LlamaForCausalLM does not implement"),
     "a missing required field": (
         dict(intermediate_size=None), UnsupportedConfigError,
         r"config.json lacks the field 'intermediate_size', which LlamaForCausalLM requires"),
@@ -157,6 +157,28 @@ def test_config_that_does_not_fit_is_refused(good, tmp_path, case):
             cfg.pop(k)
     with pytest.raises(error, match=msg):
         LLM(copy(good, tmp_path, edit_config=edit), progress=False)
+
+
+def test_gptq_checkpoint_is_named_before_any_weight_is_read(good, tmp_path):
+    """A GPTQ checkpoint (qweight / qzeros / scales instead of weight): one line naming GPTQ, never the
+    missing-tensor error the loader would give for its layout."""
+    def gptq_tensors(t):
+        for name in [n for n in t if n.endswith("_proj.weight")]:
+            base, (rows, cols) = name[:-len(".weight")], t[name].shape
+            del t[name]
+            t.update({f"{base}.qweight": np.zeros((cols // 8, rows), np.int32),
+                      f"{base}.qzeros": np.zeros((1, rows // 8), np.int32),
+                      f"{base}.scales": np.ones((1, rows), np.float16), f"{base}.g_idx": np.zeros(cols, np.int32)})
+    qc = {"bits": 4, "group_size": 128, "desc_act": False, "sym": True, "quant_method": "gptq"}
+    path = copy(good, tmp_path, gptq_tensors, lambda c: c.update(quantization_config=qc))
+    with pytest.raises(UnsupportedConfigError, match=r"^GPTQ checkpoints are not supported yet \(config.json has "
+                                                     r"quantization_config with quant_method='gptq'\); use the "
+                                                     r"model's float or GGUF release"):
+        LLM(path, progress=False)
+    os.remove(os.path.join(path, "config.json"))               # without the refusal: the layout error it prevents
+    shutil.copy(os.path.join(good, "config.json"), path)
+    with pytest.raises(MissingWeightError):
+        LLM(path, progress=False)
 
 
 def test_stray_tensor(good, tmp_path):

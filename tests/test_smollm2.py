@@ -113,3 +113,21 @@ def test_readme_run_command(smollm2_hf, tok):
     assert r.returncode == 0, r.stderr[-2000:]
     assert expected.strip() in r.stdout
     assert "time to first token" in r.stdout and "tokens/s" in r.stdout
+
+
+def test_transformers_own_save_pretrained_copy(smollm2_hf, tok, prompt64, reference, tmp_path):
+    """SmolLM2 as transformers itself writes it (its GGUF load -> save_pretrained; its config.json carries
+    GGUF-derived fields such as unk_token_id) loads and matches at tp = 8."""
+    import json
+    import torch
+    from transformers import LlamaForCausalLM
+    plain = LlamaForCausalLM(smollm2_hf.config)         # a GGUF-loaded model refuses save_pretrained itself
+    plain.load_state_dict(smollm2_hf.state_dict())
+    plain.to(torch.float32).save_pretrained(str(tmp_path), safe_serialization=True)
+    tok.save_pretrained(str(tmp_path))
+    written = json.load(open(tmp_path / "config.json"))
+    assert written["transformers_version"].startswith("5.") and "unk_token_id" in written
+    assert written["quantization_config"]["quant_method"] == "gguf"       # written for the dequantized copy
+    llm = LLM(str(tmp_path), tensor_parallel_size=8, progress=False)
+    diff = check(llm, tok, prompt64, reference)
+    print(f"transformers save_pretrained copy tp=8: max abs logit diff {diff:.2e}; fields {sorted(written)}")

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tp_jax.server.handlers import APIError, Handler
 from tp_jax.server.metrics import ServerMetrics
+from tp_jax.server.openapi import install_openapi
 from tp_jax.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("tp_jax.server")
@@ -58,6 +59,7 @@ def create_app(aengine, tokenizer, *, model_names: list[str], max_model_len: int
     app = FastAPI(title="tp_jax OpenAI-compatible server", lifespan=lifespan)
     app.state.handler, app.state.metrics = handler, metrics
     _add_error_handlers(app)
+    install_openapi(app, authenticated=bool(api_key))        # 400 / 401 / 500 with OpenAI's body, no 422
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 

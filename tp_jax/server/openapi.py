@@ -1,0 +1,88 @@
+"""The OpenAPI document of the server, as it really answers (for generated clients and API fuzzers).
+
+FastAPI documents a 422 validation error for every route with a body; this server answers
+every bad request with 400 and OpenAI's error body (`app.py`), and 401 on `/v1/` routes when
+started with an API key. `install_openapi(app, authenticated=...)` replaces `app.openapi` with a
+document that drops the 422s and the validation-error schemas, and lists per route the statuses
+of `RESPONSES`, each error with the `ErrorResponse` schema; with a key, the `/v1/` routes
+declare bearer authentication. Streaming routes also list `text/event-stream` for 200, and
+`/metrics` answers `text/plain` (Prometheus' format).
+"""
+
+from __future__ import annotations
+
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
+    error: ErrorDetail
+
+
+BAD_REQUEST = "the request is invalid (a field, its type or value, an unknown model, a prompt too long): " \
+              "the message names the field and the fix"
+INTERNAL = "the request failed inside the server (a failed engine); OpenAI's error body"
+UNAUTHORIZED = "no API key, or the wrong one: send `Authorization: Bearer <key>`"
+STREAM = "with `stream: true`, server-sent events: `data: {chunk}` lines, then `data: [DONE]`"
+
+# path -> method -> {status: description}; statuses other than 200 carry ErrorResponse
+RESPONSES = {
+    "/v1/completions": {"post": {400: BAD_REQUEST, 500: INTERNAL}},
+    "/v1/chat/completions": {"post": {400: BAD_REQUEST, 500: INTERNAL}},
+    "/v1/models": {"get": {}},
+    "/health": {"get": {503: "the engine failed; OpenAI's error body"}},
+    "/metrics": {"get": {}},
+}
+STREAMING = ("/v1/completions", "/v1/chat/completions")
+PLAIN_TEXT = ("/metrics",)                   # Prometheus' text format, not JSON
+VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")
+ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def install_openapi(app, *, authenticated: bool) -> None:
+    """Make `app.openapi()` return the document described in the module docstring (built once)."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = truthful_document(app, authenticated)
+        return app.openapi_schema
+    app.openapi = openapi
+
+
+def truthful_document(app, authenticated: bool) -> dict:
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in VALIDATION_SCHEMAS:
+        schemas.pop(name, None)
+    error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(error_schema.pop("$defs", {}))
+    schemas["ErrorResponse"] = error_schema
+    for path, methods in doc.get("paths", {}).items():
+        for method, op in methods.items():
+            op.get("responses", {}).pop("422", None)
+            statuses = dict(RESPONSES.get(path, {}).get(method, {}))
+            if authenticated and (path == "/v1" or path.startswith("/v1/")):
+                statuses[401] = UNAUTHORIZED
+                op["security"] = [{"bearerAuth": []}]
+            for status, description in statuses.items():
+                op["responses"][str(status)] = {"description": description,
+                                                "content": {"application/json": {"schema": ERROR_REF}}}
+            if path in PLAIN_TEXT:
+                op["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+            if path in STREAMING:
+                ok = op["responses"]["200"]
+                ok["description"] = f"{ok.get('description', 'Successful Response')}; {STREAM}"
+                ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+    if authenticated:
+        doc["components"]["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}
+    return doc
+
+
+__all__ = ["install_openapi", "truthful_document", "ErrorResponse", "RESPONSES"]

@@ -100,3 +100,9 @@ def test_max_tokens_zero_scores_the_prompt_only(model):
         assert check_against(ref, p, o.prompt_logprobs, 0) <= 1e-4
     again = llm.generate(prompts[0], SamplingParams(max_tokens=2, temperature=0.0))[0]
     assert again.num_cached_tokens > 0                   # the scored requests' blocks serve later requests
+    plain = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1)
+    mixed = llm.generate(prompts[1:], [SamplingParams(max_tokens=0, prompt_logprobs=2), plain])[1].outputs[0]
+    alone = llm.generate(prompts[2], plain)[0].outputs[0]       # a request beside a scored one keeps its tokens
+    assert mixed.token_ids == alone.token_ids
+    np.testing.assert_allclose([d[t] for t, d in zip(mixed.token_ids, mixed.logprobs)],
+                               [d[t] for t, d in zip(alone.token_ids, alone.logprobs)], atol=1e-6)

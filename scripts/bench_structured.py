@@ -5,8 +5,9 @@
 Each constrained request has its own JSON schema (an array of objects with enum, bounded integer,
 string and nested-array fields; `minItems` large, so no grammar completes inside `--tokens` and
 every step is masked); `ignore_eos` and the same `max_tokens` for both sides, so both decode the
-same number of tokens. Decode time is T(N tokens) - T(1 token) (prefill, matcher creation and
-compiles cancel), best of `--repeats`, the two sides alternating. `grammar_ms_per_step` is the
+same number of tokens. Decode time: `--tokens` engine steps with all requests decoding, timed after
+their prefill (matcher creation and compiles are outside), best of `--repeats`, the two sides
+alternating which goes first. `grammar_ms_per_step` is the
 engine's host time in the matchers (bitmask fills and token advances) per constrained step
 (core.stats["grammar_seconds"]); on one process the fills overlap the device's forward.
 """
@@ -21,7 +22,7 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per side")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--dp", type=int, default=1)
@@ -41,10 +42,21 @@ def schema(i: int) -> dict:
     return {"type": "array", "items": item, "minItems": 1000}
 
 
-def _timed(fn) -> float:
+def decode_seconds(llm, ids, params: list, n: int, tag: str) -> float:
+    """Seconds of `n` decode steps of all requests at once (after their prefill and first token)."""
+    engine = llm.engine
+    for i, p in enumerate(params):
+        engine.add_request(f"{tag}-{i}", ids, p)
+    outs = {}
+    while len(outs) < len(params):                          # prefill: every request has its first token
+        outs.update((o.request_id, o) for o in engine.step())
     t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    for _ in range(n):
+        engine.step()
+    took = time.perf_counter() - t
+    while engine.has_unfinished():
+        engine.step()
+    return took
 
 
 def main():
@@ -58,31 +70,29 @@ def main():
               max_num_seqs=max(args.requests, 1), progress=False)
     ids = llm.get_tokenizer().encode(args.prompt)
     n, core = args.tokens, llm.engine.core
+    k = n + 2                                                # max_tokens: no request ends inside the timed steps
     sides = {
-        "unconstrained": lambda k: [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)] * args.requests,
-        "constrained": lambda k: [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True,
-                                                 structured_outputs=StructuredOutputsParams(json=schema(i)))
-                                  for i in range(args.requests)]}
-    run = lambda side, k: llm.generate([ids] * args.requests, sides[side](k))
+        "unconstrained": lambda: [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)] * args.requests,
+        "constrained": lambda: [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True,
+                                               structured_outputs=StructuredOutputsParams(json=schema(i)))
+                                for i in range(args.requests)]}
     for side in sides:                                      # compile every shape and grammar once
-        run(side, n), run(side, 1)
-    best = {side: [float("inf"), float("inf")] for side in sides}
+        decode_seconds(llm, ids, sides[side](), 2, f"warm-{side}")
+    best = {side: float("inf") for side in sides}
     grammar = {"seconds": 0.0, "steps": 0}
-    for _ in range(args.repeats):
-        for side in sides:
+    for r in range(args.repeats):
+        for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):     # alternate the order
             g0, s0 = core.stats["grammar_seconds"], core.stats["steps"]
-            t_n = _timed(lambda: run(side, n))
+            best[side] = min(best[side], decode_seconds(llm, ids, sides[side](), n, f"{side}-{r}"))
             if side == "constrained":
                 grammar["seconds"] += core.stats["grammar_seconds"] - g0
                 grammar["steps"] += core.stats["steps"] - s0
-            best[side][0] = min(best[side][0], t_n)
-            best[side][1] = min(best[side][1], _timed(lambda: run(side, 1)))
-    tps = {side: args.requests * (n - 1) / (t_n - t_1) for side, (t_n, t_1) in best.items()}
-    outs = run("constrained", n)
+    tps = {side: args.requests * n / t for side, t in best.items()}
+    outs = llm.generate([ids] * args.requests, sides["constrained"]())
     valid_prefix = all(o.outputs[0].text.startswith("[{") for o in outs)
     print(json.dumps({
         "model": os.path.basename(llm.model_path), "platform": jax.default_backend(), "devices": jax.device_count(),
-        "tp": args.tp, "dp": args.dp, "pp": args.pp, "requests": args.requests, "tokens": n,
+        "tp": args.tp, "dp": args.dp, "pp": args.pp, "requests": args.requests, "decode_steps": n,
         "unconstrained_tokens_per_s": round(tps["unconstrained"], 2),
         "constrained_tokens_per_s": round(tps["constrained"], 2),
         "constrained_over_unconstrained": round(tps["constrained"] / tps["unconstrained"], 3),

@@ -282,3 +282,19 @@ def test_a_step_plan_carries_its_bitmask_to_other_processes(llm):
     back = StepPlan.from_bytes(plan.to_bytes())
     np.testing.assert_array_equal(back.bitmask, plan.bitmask)
     np.testing.assert_array_equal(back.floats, plan.floats)
+
+
+def test_a_matcher_in_error_ends_only_its_request(llm):
+    """A grammar that refuses a token (its matcher in error) ends that request with "abort"; the engine and
+    the other requests go on."""
+    engine, tok = llm.engine, llm.get_tokenizer()
+    so = StructuredOutputsParams(choice=["ab", "cd"])
+    engine.add_request("broken", "Hi", SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=so))
+    engine.add_request("fine", "Hi", SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=so))
+    broken = next(r for rid, r in engine.core.requests.items() if rid.startswith("broken#"))
+    assert not broken.matcher.consume(tok.encode("zzz", add_special_tokens=False)[0])   # now in error
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+    assert done["broken"].finish_reason == "abort"
+    assert done["fine"].finish_reason == "stop" and done["fine"].text in ("ab", "cd")

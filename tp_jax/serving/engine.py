@@ -21,6 +21,7 @@ process calls `follow()`, which runs the same steps until the driver's `release_
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import jax
@@ -41,6 +42,7 @@ from tp_jax.serving.sampling import SamplingParams
 from tp_jax.serving.scheduler import Scheduler, SchedulerConfig
 
 
+log = logging.getLogger("tp_jax.engine")
 _RELEASE = b"\x00"                    # a plan is an .npz (starts with b"PK"); this byte ends follow()
 
 
@@ -299,16 +301,16 @@ class EngineCore:
         """Feed a constrained request's token to its grammar: ("stop", None) once the grammar is complete
         (nothing but an end token could follow), else (None, None). An end token (allowed only where the
         grammar accepts) and stop token ids are left to `_check_stop`."""
-        if (token in self.eos and not req.params.ignore_eos) or token in req.params.stop_token_ids:
-            return None, None
         t = time.perf_counter()
-        ok = req.matcher.consume(token)
+        end = (token in self.eos and not req.params.ignore_eos) or token in req.params.stop_token_ids
+        ok = (end or req.matcher.consume(token)) and not req.matcher.error()
         done = req.matcher.done
         self.stats["grammar_seconds"] += time.perf_counter() - t
-        if not ok:
-            raise RuntimeError(f"request {req.request_id}: the grammar refused token {token}, which its own "
-                               f"bitmask allowed: {req.matcher.error()}")
-        return ("stop", None) if done else (None, None)
+        if not ok:                                       # a matcher in error (e.g. a grammar past llguidance's limits)
+            log.warning("request %s: its grammar failed at token %d and the request is ended (abort): %s",
+                        req.request_id, token, req.matcher.error())
+            return "abort", None
+        return ("stop", None) if done and not end else (None, None)
 
     def _check_stop(self, req: Request, token: int):
         p = req.params

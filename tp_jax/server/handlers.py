@@ -158,7 +158,8 @@ class Handler:
                                     f"{name} to at most {self.max_model_len - len(ids)} or shorten the {field}",
                                param=name, code="context_length_exceeded")
         model = req.model if req.model is not None else self.names[0]
-        return Job(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, prompts, params, req, tools)
+        return Job(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, prompts, params, req,
+                   tools=tools)
 
     # --- running it ----------------------------------------------------------------------------------
     async def _run(self, job: Job, stream: bool) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,4 +1,4 @@
-"""8 simulated CPU devices for every test, set before jax starts (see shared/ENVIRONMENT.md).
+"""8 simulated CPU devices for every test, set before jax starts (see docs/running.md).
 
 NPROC >= 2 x devices avoids the XLA:CPU collective deadlock on 2-core machines; the
 collective timeout turns any remaining hang into a fast failure.
@@ -74,4 +74,4 @@ def smollm2_converted(smollm2_path, tmp_path_factory):
 
 
 # --- the OpenAI-compatible server as a subprocess (tests/server_process.py), shared by the server tests ----
-from tests.server_process import tiny_path, tiny_server  # noqa: E402,F401
+from tests.server_process import client, ref, tiny_path, tiny_server  # noqa: E402,F401

@@ -133,3 +133,17 @@ def tiny_path(smollm2_path, tmp_path_factory):
 def tiny_server(tiny_path, tmp_path_factory):
     with ServerProcess([tiny_path, *TINY_ARGS], str(tmp_path_factory.mktemp("server_logs")), name="tiny") as srv:
         yield srv.wait_ready()
+
+
+@pytest.fixture(scope="session")
+def ref(tiny_path):
+    """The tiny server's model in this process (tp = 2): the reference the server tests compare answers with."""
+    from tp_jax.serving.llm import LLM
+    return LLM(tiny_path, tensor_parallel_size=2, max_model_len=256, max_num_seqs=32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def client(tiny_server):
+    """The `openai` client pointed at the tiny server."""
+    from openai import OpenAI
+    return OpenAI(base_url=tiny_server.base, api_key="unused", max_retries=0, timeout=600)

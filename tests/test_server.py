@@ -11,24 +11,12 @@ import asyncio
 import httpx
 import numpy as np
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI
 
 from tests.server_process import metrics, request_log_lines, success, wait_metrics
-from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
 PROMPTS = ["Hello there", "The capital of France is"]
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_path):
-    """The same model in this process: the reference every answer is compared with."""
-    return LLM(tiny_path, tensor_parallel_size=2, max_model_len=256, max_num_seqs=32, progress=False)
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return OpenAI(base_url=tiny_server.base, api_key="unused", max_retries=0, timeout=600)
 
 
 def streamed(stream) -> tuple[dict[int, str], dict[int, str], list]:

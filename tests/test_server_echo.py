@@ -6,14 +6,8 @@ token's; whole == streamed; chat's top-level `prompt_logprobs`."""
 import httpx
 import numpy as np
 import pytest
-from openai import OpenAI
 
 PROMPT_IDS = [9690, 198, 2683, 359, 253, 5356, 30, 2683, 3522, 665, 17, 28, 42]
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return OpenAI(base_url=tiny_server.base, api_key="unused", max_retries=0, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,8 @@ import re
 import jsonschema
 import openai
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI
 
-from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 from tp_jax.serving.structured import StructuredOutputsParams
 
@@ -31,16 +30,6 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
                                        "required": ["zone"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_path):
-    return LLM(tiny_path, tensor_parallel_size=2, max_model_len=256, max_num_seqs=32, progress=False)
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return OpenAI(base_url=tiny_server.base, api_key="unused", max_retries=0, timeout=600)
 
 
 def chat_text(stream) -> tuple[str, str, list]:

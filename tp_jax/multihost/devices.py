@@ -2,7 +2,7 @@
 
 Must run before jax initialises its backend (the first `jax.devices()` or computation);
 importing jax is fine. Sets NPROC >= 2 x N: on a 2-core machine XLA:CPU collectives
-over simulated devices otherwise deadlock (shared/ENVIRONMENT.md).
+over simulated devices otherwise deadlock (docs/running.md).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 tool_choice (fed a few characters at a time, as tokens arrive), the `required` schema, and the chat
 template receiving `tools=` and an earlier call's arguments as a dict (a Qwen2.5-style template)."""
 
+import copy
 import json
 import types
 
@@ -114,7 +115,7 @@ def test_required_schema_takes_calls_of_the_tools_only():
 def test_tools_and_earlier_calls_reach_the_chat_template(tiny_path):
     from tp_jax.serving.llm import LLM
     llm = LLM(tiny_path, max_model_len=256, max_num_seqs=2, progress=False)
-    tok = llm.get_tokenizer()
+    tok = copy.deepcopy(llm.get_tokenizer())       # the loaded tokenizer is shared (lru_cache): change a copy
     tok.chat_template = QWEN_STYLE
     handler = Handler(types.SimpleNamespace(engine=llm.engine), tok, ["tiny"], 256, None, tool_parser="hermes")
     body = dict(messages=[

@@ -107,6 +107,7 @@ def load_llm(path, layout, **kw):
     return LLM(path, tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, progress=False, **kw)
 
 
+@pytest.mark.slow
 def test_bf16_checkpoint_with_bf16_dots_against_transformers(root, ids):
     """A bf16 checkpoint's weights as stored, bf16 dots: closer to transformers float32 on the same weights
     than transformers' own bf16 run is, at every layout."""
@@ -127,6 +128,7 @@ def test_bf16_checkpoint_with_bf16_dots_against_transformers(root, ids):
         assert err <= gap16 and rel_err(got, ref32) <= 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization,bound", [("auto", 2e-2), ("gguf_int8", 5e-2)])
 def test_gguf_fast_dots_against_transformers_on_the_dequantized_weights(root, ids, quantization, bound):
     """The same logits at every layout (each rank quantizes whole blocks); perplexity within 1% of the reference."""
@@ -143,6 +145,7 @@ def test_gguf_fast_dots_against_transformers_on_the_dequantized_weights(root, id
         assert err <= bound and abs(ppl / ppl_ref - 1) <= 0.01
 
 
+@pytest.mark.slow
 def test_w8a8_against_transformers_on_the_int8_weights(root, ids):
     path = make_checkpoint("h9kv3", root)
     ref = hf_logits(dequantized_copy(path, f"{path}_int8", lambda _, w: int8_dequantized(w)), ids)

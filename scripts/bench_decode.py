@@ -193,8 +193,9 @@ def main():
         for dtype in args.hf_dtypes:
             model = load_hf_model(path).to(getattr(torch, dtype))
             hf[dtype] = {b: theirs(model, ids, b, args.tokens) for b in args.batch}
-            result["transformers"][dtype] = {f"batch{b}": {"tokens_per_s": round(b / s, 2), "step_ms": round(s * 1e3, 2)}
-                                             for b, (s, _) in hf[dtype].items()}
+            result["transformers"][dtype] = {
+                f"batch{b}": {"tokens_per_s": round(b / s, 2), "step_ms": round(s * 1e3, 2)}
+                for b, (s, _) in hf[dtype].items()}
             del model
     if path.endswith(".gguf") and not args.no_llama_cpp:
         result["llama_cpp"] = llama_cpp_tokens_per_s(path, ids, args.tokens, args.threads)

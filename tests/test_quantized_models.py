@@ -26,6 +26,7 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (3, 2, 1), (4, 1, 1), (8, 1, 1), (2, 1, 2)]    
 GREEDY_LAYOUTS = [(1, 1, 1), (3, 2, 1), (2, 1, 2)]                                # engine runs cost more
 INT8_VARIANTS = ["h9kv3", "tied", "bias"]        # padded heads + vocab 1001; one tied table; biases stay float
 PROMPTS = [[5, 17, 300, 42], [7, 7, 900], [1, 2, 3, 4, 5, 6]]
+CHOICES = "['auto', 'none', 'bf16', 'gguf', 'gguf_bf16', 'gguf_int8', 'int8', 'w8a8']"
 CLOSER = 50              # quantized vs its reference must be this much closer than vs the float model
 
 
@@ -274,8 +275,8 @@ def test_gguf_on_a_float_checkpoint_is_refused(int8_refs):
 
 @pytest.mark.parametrize("value,error,message", [
     ("int4", ValueError, "quantization='int4' is not a known quantization method; choose one of "
-                         "['auto', 'none', 'bf16', 'gguf', 'gguf_bf16', 'gguf_int8', 'int8', 'w8a8'], or None (every weight in float)"),
-    (8, TypeError, "quantization=8 must be one of ['auto', 'none', 'bf16', 'gguf', 'gguf_bf16', 'gguf_int8', 'int8', 'w8a8'] or None, got int"),
+                         f"{CHOICES}, or None (every weight in float)"),
+    (8, TypeError, f"quantization=8 must be one of {CHOICES} or None, got int"),
 ])
 def test_unknown_quantization_argument_fails_before_the_load(value, error, message):
     with pytest.raises(error) as e:

@@ -74,7 +74,8 @@ class GGUFConfig(QuantizationConfig):
         types = {n: getattr(t, "quant_type", None) for n, t in tensors.items()}
         plain = sorted(n for n, q in types.items() if q is None)
         if plain:
-            raise QuantizationError(f"quantization={self.name!r} keeps the blocks of a .gguf file's tensors; {plain[0]!r} "
+            raise QuantizationError(f"quantization={self.name!r} keeps the blocks of a .gguf file's tensors; "
+                                    f"{plain[0]!r} "
                                     f"is not a GGUF tensor (use quantization='int8', or None)")
         if set(types.values()) <= set(FLOAT_TYPES):
             return None

@@ -20,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from tp_jax.loaders.bind import (Binding, CheckpointMismatchError, MissingWeightError, NameTableError, as_table,
                                  bind, check_source)
-from tp_jax.parallel.layers import Entry, WeightTable
-from tp_jax.parallel.layers.method import DerivedParam
+from tp_jax.parallel.layers import Entry, MethodLayer, WeightTable
+from tp_jax.parallel.layers.method import DerivedParam, Unquantized
 from tp_jax.parallel.mesh import TP
 
 
@@ -57,10 +57,10 @@ def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map
 
     Stacked params follow `layer_map` (slot -> HF layer; -1 = an identity layer: zeros).
     Float params are cast to `dtype`; a param a linear method derived (int8 values, scales,
-    GGUF blocks) keeps the dtype the method gave it.
+    GGUF blocks) or gave its own dtype (`Bfloat16`'s weight) keeps the dtype the method gave it.
     """
     shape = tuple(abstract.shape)
-    if isinstance(b.decl, DerivedParam):
+    if isinstance(b.decl, DerivedParam) or _method_weight(b):
         dtype = np.dtype(abstract.dtype)
     tp_dim, tp = _tp_dim(spec), mesh.shape[TP]
 
@@ -85,6 +85,12 @@ def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map
         return out
 
     return _place(shape, NamedSharding(mesh, spec), block, dtype)
+
+
+def _method_weight(b: Binding) -> bool:
+    """Whether `b` is the weight of a layer whose method is not `Unquantized` (it chose the weight's dtype)."""
+    return isinstance(b.module, MethodLayer) and b.name == b.module.weight_name and \
+        not isinstance(b.module.method, Unquantized)
 
 
 def _place(shape: tuple[int, ...], sharding: NamedSharding, block, dtype) -> jax.Array:

@@ -3,9 +3,17 @@
     plan_methods(model, table, source, num_layers, quantization) -> {module path: LinearMethod}
 
 `quantization`: None or "none" (every weight float, as stored or dequantized), a registered name
-("int8", "gguf"; `tp_jax.parallel.layers.quantization`), or "auto": "gguf" when the
-checkpoint is a GGUF file whose linear or vocab weights are quantized, else None. Under
-"auto" a layer that cannot be kept quantized (a type not kept: K-quants, Q5_*; a tp that
+("bf16", "int8", "w8a8", "gguf", "gguf_bf16", "gguf_int8"; `tp_jax.parallel.layers.quantization`),
+or "auto", which picks by checkpoint and platform (`auto_choice`, measured in docs/performance.md):
+
+* a GGUF file whose linear or vocab weights are quantized: its blocks kept, with the
+  platform's fast dot on CPU ("gguf_bf16": bf16 dots accumulated in float32), in the
+  model's dtype elsewhere ("gguf");
+* any other checkpoint: None, the float weights in the run's dtype (float32 on CPU, bit for
+  bit; bf16 on accelerators). On CPU "bf16" measured slower than float32 inside the layer
+  scan and "w8a8" over the 2% perplexity bound on SmolLM2: both are there to ask for.
+
+Under "auto" a layer that cannot be kept quantized (a type not kept: K-quants, Q5_*; a tp that
 cuts its 32-element blocks) loads dequantized to float, with one warning naming those
 layers; naming "gguf" explicitly makes each of them an error.
 
@@ -19,6 +27,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
+import jax
 from flax import nnx
 
 from tp_jax.loaders.bind import Binding, as_table, bind
@@ -79,14 +88,25 @@ def _strict(name: str, weights: list[Binding], source, num_layers: int) -> dict[
     return plan
 
 
+AUTO_GGUF = {"cpu": "gguf_bf16"}             # platform -> the GGUF dot "auto" picks (others: "gguf")
+
+
+def auto_choice(quant_types: set[str | None], platform: str) -> str | None:
+    """The configuration "auto" picks for a checkpoint whose weights have GGUF types `quant_types` (None: not a
+    GGUF tensor) on `platform` (jax's backend name): the kept blocks for quantized GGUF weights, else None."""
+    if any(q not in (None, *FLOAT_TYPES) for q in quant_types):
+        return AUTO_GGUF.get(platform, "gguf")
+    return None
+
+
 def _auto(weights: list[Binding], source, num_layers: int) -> dict[str, LinearMethod]:
-    """"gguf" for a GGUF file with quantized weights, else {}: a layer it cannot keep loads dequantized to
-    float, with one warning naming those layers and why."""
-    quantized = any(getattr(t, "quant_type", None) not in (None, *FLOAT_TYPES)
-                    for b in weights for t in _tensors(b, source, num_layers).values())
-    if not quantized:
+    """`auto_choice`'s configuration for this checkpoint (None: {}); a GGUF layer it cannot keep loads
+    dequantized to float, with one warning naming those layers and why."""
+    types = {getattr(t, "quant_type", None) for b in weights for t in _tensors(b, source, num_layers).values()}
+    name = auto_choice(types, jax.default_backend())
+    if name is None:
         return {}
-    plan, problems = _plan("gguf", weights, source, num_layers)
+    plan, problems = _plan(name, weights, source, num_layers)
     if problems:
         warnings.warn(f"quantization='auto': {_count(problems)} loaded dequantized to float instead of kept "
                       f"quantized:{_listing(problems)}", stacklevel=3)

@@ -9,10 +9,15 @@ Roofline: bytes of weights read per decode step / the machine's measured read ba
 engine's batch, its paged pool), so `step_over_forward` is the engine's own overhead
 (scheduling, batch building, transfers, sampling). With --pp > 1 each batch row also reports
 the GPipe bubble (idle stage-steps / total) for the engine's micro-batch count.
-Every combination of `--quantization` (auto / none / int8 / gguf) and `--layers` (the scanned
-layer stack, `LLM(unroll_layers=True)`) is loaded in turn and measured in the same run, side
-by side ("results": one entry each, with the bytes of weights per device and the greedy
-tokens' agreement with the first entry).
+Every combination of `--quantization` (auto / none / bf16 / int8 / w8a8 / gguf / gguf_bf16 /
+gguf_int8) and `--layers` (the scanned layer stack, `LLM(unroll_layers=True)`) is loaded in
+turn and measured in the same run, side by side ("results": one entry each, with the bytes of
+weights per device and the greedy tokens' agreement with the first entry).
+
+transformers runs in float32 and in bfloat16 (`--hf-dtypes`); `speedup_over_transformers` is
+against its faster dtype at that batch ("transformers_best"). When `llama_cpp`
+(llama-cpp-python) is importable and the model is a .gguf file, llama.cpp decodes the same file
+at batch 1 with `--threads` threads ("llama_cpp"; its build: docs/performance.md).
 """
 
 import argparse
@@ -32,6 +37,9 @@ def parse_args():
     ap.add_argument("--num-microbatches", type=int, default=None, help="default: pp")
     ap.add_argument("--simulate-devices", type=int, default=0)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
+    ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--layers", nargs="+", default=["scan", "unrolled"], choices=["scan", "unrolled"],
                     help="LLM(unroll_layers=False / True), each measured in this run (default both)")
     ap.add_argument("--prompt", default="Once upon a time")
@@ -99,6 +107,29 @@ def theirs(model, ids, batch, n):
     return (t_n - t_1) / (n - 1), tokens
 
 
+def llama_cpp_tokens_per_s(path: str, ids: list[int], n: int, threads: int) -> dict | None:
+    """llama.cpp's batch-1 greedy decode of the same GGUF (T(n) - T(1), as ours), or None without llama_cpp."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=512, verbose=False)
+
+    def run(k):
+        llm.reset()
+        llm.eval(ids)
+        for _ in range(k):
+            tok = llm.sample(temp=0.0)
+            llm.eval([tok])
+
+    run(2)
+    t_n = min(_timed(lambda: run(n)) for _ in range(2))
+    t_1 = min(_timed(lambda: run(1)) for _ in range(2))
+    step = (t_n - t_1) / (n - 1)
+    return {"batch1": {"tokens_per_s": round(1 / step, 2), "step_ms": round(step * 1e3, 2)},
+            "threads": threads, "version": llama_cpp.__version__}
+
+
 def measure(args, quantization: str, layers: str, bandwidth: float, hf, first_tokens: dict) -> dict:
     """One load's rows: every batch size (the LLM is dropped before the next load)."""
     import jax
@@ -129,8 +160,10 @@ def measure(args, quantization: str, layers: str, bandwidth: float, hf, first_to
         first = first_tokens.setdefault(b, toks)
         row["greedy_agreement_with_first"] = round(sum(x == y for x, y in zip(toks, first)) / len(first), 3)
         if hf is not None:
-            hf_step, hf_toks = hf[b]
-            row.update({"speedup_over_transformers": round(hf_step / step, 2), "same_tokens": toks == hf_toks})
+            best = min(hf, key=lambda d: hf[d][b][0])
+            hf_step, hf_toks = hf[best][b]
+            row.update({"speedup_over_transformers": round(hf_step / step, 2), "transformers_best": best,
+                        "same_tokens_as_transformers_float32": toks == hf.get("float32", hf[best])[b][1]})
         out[f"batch{b}"] = row
     lo, hi = min(args.batch), max(args.batch)
     if lo != hi:
@@ -152,13 +185,20 @@ def main():
               "platform": jax.default_backend(), "devices": jax.device_count(),
               "read_bandwidth_GBps": round(bandwidth, 2)}
     hf = None
+    ids = load_tokenizer(path).encode(args.prompt)
     if not args.no_transformers:
+        import torch
         from hf_reference import load_hf_model
-        model, ids = load_hf_model(path), load_tokenizer(path).encode(args.prompt)
-        hf = {b: theirs(model, ids, b, args.tokens) for b in args.batch}
-        result["transformers"] = {f"batch{b}": {"tokens_per_s": round(b / s, 2), "step_ms": round(s * 1e3, 2)}
-                                  for b, (s, _) in hf.items()}
-        del model
+        hf, result["transformers"] = {}, {}
+        for dtype in args.hf_dtypes:
+            model = load_hf_model(path).to(getattr(torch, dtype))
+            hf[dtype] = {b: theirs(model, ids, b, args.tokens) for b in args.batch}
+            result["transformers"][dtype] = {
+                f"batch{b}": {"tokens_per_s": round(b / s, 2), "step_ms": round(s * 1e3, 2)}
+                for b, (s, _) in hf[dtype].items()}
+            del model
+    if path.endswith(".gguf") and not args.no_llama_cpp:
+        result["llama_cpp"] = llama_cpp_tokens_per_s(path, ids, args.tokens, args.threads)
     first_tokens: dict = {}
     result["results"] = [measure(args, q, layers, bandwidth, hf, first_tokens)
                          for q in args.quantization for layers in args.layers]

@@ -167,7 +167,7 @@ def smollm2_refs(smollm2_path, smollm2_hf):
 def test_smollm2(smollm2_path, smollm2_refs, dp, pp, tp):
     ids, ref, greedy = smollm2_refs
     llm = LLM(smollm2_path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-              progress=False)
+              quantization="gguf", progress=False)         # the golden float32 dot
     assert float(np.abs(llm.get_logits([ids]) - ref).max()) <= 1e-3
     out = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == greedy

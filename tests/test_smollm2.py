@@ -1,9 +1,9 @@
 """The real SmolLM2-135M-Instruct (9 query / 3 KV heads) through our GGUF and safetensors paths,
 against transformers on the same weights, at tp in {1, 2, 3, 4, 8}.
 
-The GGUF loads with the default quantization="auto", so its Q4_1 / Q8_0 blocks stay
-quantized and are dequantized inside the GEMM: the same weights as transformers'
-dequantized copy. The float path of the GGUF: tests/test_quantized_smollm2.py."""
+The GGUF loads with quantization="gguf", so its Q4_1 / Q8_0 blocks stay quantized and are
+dequantized to float32 inside the GEMM: the same weights as transformers' dequantized copy.
+The float path of the GGUF and the default (auto: the fast dots): tests/test_quantized_smollm2.py."""
 
 import numpy as np
 import pytest
@@ -63,7 +63,7 @@ def check(llm, tok, prompt64, reference):
 
 @pytest.mark.parametrize("tp", TPS)
 def test_gguf_path(smollm2_path, tok, prompt64, reference, tp):
-    llm = LLM(smollm2_path, tensor_parallel_size=tp, progress=False)
+    llm = LLM(smollm2_path, tensor_parallel_size=tp, quantization="gguf", progress=False)
     diff = check(llm, tok, prompt64, reference)
     print(f"GGUF tp={tp}: max abs logit diff {diff:.2e}")
 
@@ -86,7 +86,7 @@ def test_default_model_and_chat(smollm2_path):
 
 def test_cached_decode_matches_full_forward(smollm2_path, tok):
     """Each generated token's logprob (prefill + cached decode) == log_softmax of the uncached forward."""
-    llm = LLM(smollm2_path, tensor_parallel_size=4, progress=False)
+    llm = LLM(smollm2_path, tensor_parallel_size=4, quantization="gguf", progress=False)
     ids = tok.encode(GREEDY_PROMPTS[0])
     out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1))[0]
     toks = out.outputs[0].token_ids

@@ -39,8 +39,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-model-len", type=int, default=None, help="context length (default min(2048, the model's))")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--quantization", "-q", default="auto", choices=quantization_choices(),
-                    help="how weights are held: auto (a quantized .gguf stays quantized, else as stored), none "
-                         "(float), int8 (weight-only, per output channel), gguf (keep GGUF blocks); "
+                    help="how weights are held: auto (a quantized .gguf stays quantized, on CPU with bf16 dots; "
+                         "else as stored), none (float), bf16, int8 (weight-only, per output channel), w8a8 (int8 "
+                         "weights and activations), gguf (keep GGUF blocks, float32 dots), gguf_bf16, gguf_int8; "
                          "docs/quantization.md")
     ap.add_argument("--unroll-layers", action="store_true",
                     help="one array per layer, layers unrolled: faster decode on CPU, ~10x compile time per shape")

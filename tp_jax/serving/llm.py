@@ -27,7 +27,9 @@ from tp_jax.serving.args import validate_llm_args
 from tp_jax.serving.engine import EngineConfig
 
 def resolve_dtype(dtype: str):
-    """"auto": float32 on CPU (XLA:CPU bf16 matmuls are ~10x slower), bfloat16 on accelerators."""
+    """"auto": float32 on CPU (the activations, norms and attention: XLA:CPU's bf16 ops are slow there, its bf16
+    dots too at M = 1 and inside the layer scan; the linear methods pick their own dot types), bfloat16 on
+    accelerators."""
     from tp_jax.loaders.dtypes import FLOATS, BY_NAME
     if dtype == "auto":
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -64,11 +66,13 @@ class LLM:
     jax.nn.dot_product_attention, cuDNN on GPUs); unroll_layers (True: one array per layer and
     the layers unrolled in each step, no per-layer weight copies; faster decode on XLA:CPU, about
     10x the compile time per step shape, which the compile cache keeps; see docs/performance.md);
-    quantization ("auto": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights stay quantized, other
-    checkpoints load as stored; "int8": weight-only int8 per output channel, quantized per
-    device at load; "gguf": keep GGUF blocks, an error if a type cannot be kept; None or
-    "none": every weight in float; see docs/quantization.md). `.quantization` says how the
-    loaded weights are held.
+    quantization ("auto": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights stay quantized, on CPU with
+    bf16 dots, other checkpoints load as stored; "int8": weight-only int8 per output channel,
+    quantized per device at load; "w8a8": int8 weights and per-token int8 activations; "bf16":
+    bf16 weights, bf16 x bf16 -> float32 dots; "gguf": keep GGUF blocks, float32 dots, an error
+    if a type cannot be kept; "gguf_bf16" / "gguf_int8": the same blocks, bf16 / per-block int8
+    dots; None or "none": every weight in float; see docs/quantization.md). `.quantization`
+    says how the loaded weights are held.
     """
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,

@@ -2,7 +2,7 @@
 
 Each layer declares how its params split over tp once (`loading()` -> `ShardedParam`);
 the row-map helpers build those declarations, `Stack` scans stacked layers. A linear or
-vocab layer's weight is held by a `LinearMethod` (float, `Int8`, `GGUFBlocks`): the layer
+vocab layer's weight is held by a `LinearMethod` (float, `Bfloat16`, `Int8`, `GGUFBlocks`): the layer
 keeps the split and the collectives, the method the representation and the local GEMM.
 """
 
@@ -13,7 +13,7 @@ from tp_jax.parallel.layers.linear import (ColumnParallelLinear, MergedColumnPar
                                            RowParallelLinear)
 from tp_jax.parallel.layers.loading import (LazyTensor, PartRows, ShardedParam, WeightShapeError, contiguous_rows,
                                             expand_heads, replicated_rows)
-from tp_jax.parallel.layers.method import (DerivedParam, LinearMethod, QuantizationError, Unquantized,
+from tp_jax.parallel.layers.method import (Bfloat16, DerivedParam, LinearMethod, QuantizationError, Unquantized,
                                            UnsupportedLayerError, WeightParam)
 from tp_jax.parallel.layers.norm import LayerNorm, RMSNorm
 from tp_jax.parallel.layers.quantization import (QuantizationConfig, apply_methods, quantization_config,
@@ -28,6 +28,6 @@ __all__ = ["ParallelModule", "ReplicatedLinear", "ColumnParallelLinear", "Merged
            "ReplicatedEmbedding", "RMSNorm", "LayerNorm", "Stack", "padded_vocab_size",
            "LazyTensor", "PartRows", "ShardedParam", "WeightShapeError",
            "contiguous_rows", "replicated_rows", "expand_heads", "Entry", "WeightTable",
-           "MethodLayer", "LinearMethod", "Unquantized", "Int8", "GGUFBlocks", "DerivedParam", "WeightParam",
+           "MethodLayer", "LinearMethod", "Unquantized", "Bfloat16", "Int8", "GGUFBlocks", "DerivedParam", "WeightParam",
            "QuantizationError", "UnsupportedLayerError", "QuantizationConfig", "quantization_config",
            "register_quantization", "apply_methods"]

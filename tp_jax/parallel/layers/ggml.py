@@ -1,4 +1,4 @@
-"""GGUFBlocks: llama.cpp's Q8_0 / Q4_0 / Q4_1 weights kept as their blocks, dequantized inside the GEMM.
+"""GGUFBlocks: llama.cpp's Q8_0 / Q4_0 / Q4_1 weights kept as their blocks, multiplied block by block inside the GEMM.
 
 A GGUF row of W[out, in] is in/32 blocks of 32 weights; each block holds an f16 scale d
 (Q4_1: and an f16 min m) and 32 quantized values q:
@@ -21,6 +21,20 @@ loading, naming the layer). Sizes come from the `gguf` package (`GGML_QUANT_SIZE
 numpy `dequantize` is the reference in the tests. The checkpoint tensors must offer their
 raw blocks: `quant_type` and `blocks()` (a lazy `[rows, in/32, bytes per block]` uint8
 view), as the GGUF loader's tensors do; `QuantizedArray` wraps raw bytes held in memory.
+
+The GEMM, by `dot` (one tile of output rows at a time, `map_tiles`):
+
+* "float32": each tile dequantized to float32, bit for bit the `gguf` package's weights,
+  and multiplied in float32 (the exact reference path);
+* "bf16": each tile dequantized to bf16 (Q4: the exact 4-bit value times its f16 scale,
+  rounded once to bf16), x rounded to bf16, accumulated in float32;
+* "int8": ggml's q4_1 x q8_1: x quantized per 32-element block (x ~ q_x s_x, like ggml's
+  Q8_1 activations), an int8 x int8 -> int32 dot per block, y = sum_b d_b s_x,b (q_x . q)_b
+  (+ m_b sum_b x for Q4_1; Q4_0's q - 8 is an int8 in [-8, 7]).
+
+The 4-bit dots never interleave the nibbles: byte j of a block holds elements j and j + 16,
+so the low nibbles multiply x's first 16 elements of each block and the high ones its last
+16 (x is rearranged, a few KB, instead of the weight).
 """
 
 from __future__ import annotations
@@ -30,12 +44,14 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tp_jax.parallel.layers.loading import LazyTensor, PartRows, ShardedParam
 from tp_jax.parallel.layers.method import (DerivedParam, LinearMethod, QuantizationError, UnsupportedLayerError,
-                                           WeightParam, describe_layer, out_in, tiled_matmul)
+                                           WeightParam, describe_layer, map_tiles, num_tiles, out_in, pad_rows,
+                                           quantize_rows, tiled_matmul)
 
 BLOCK = 32
 
@@ -62,6 +78,7 @@ for _name, _fmt in FORMATS.items():           # the gguf package is the authorit
     assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[_name]] == (
         BLOCK, _fmt.values_at + _fmt.values_per_block), _name
 KEPT = tuple(FORMATS)
+DOTS = ("float32", "bf16", "int8")
 
 
 def type_size(qtype: str) -> int:
@@ -70,13 +87,17 @@ def type_size(qtype: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GGUFBlocks(LinearMethod):
-    """GGUF blocks of `qtype` ("Q8_0", "Q4_0", "Q4_1") kept as they are on disk (module docstring)."""
+    """GGUF blocks of `qtype` ("Q8_0", "Q4_0", "Q4_1") kept as they are on disk, multiplied by `dot` ("float32",
+    "bf16", "int8"; module docstring)."""
     qtype: str
+    dot: str = "float32"
     name: ClassVar[str] = "gguf"
 
     def __post_init__(self):
         if self.qtype not in FORMATS:
             raise QuantizationError(f"GGUF quant type {self.qtype!r} is not kept quantized; kept: {list(KEPT)}")
+        if self.dot not in DOTS:
+            raise QuantizationError(f"GGUFBlocks(dot={self.dot!r}): choose one of {list(DOTS)}")
 
     @property
     def format(self) -> BlockFormat:
@@ -88,7 +109,7 @@ class GGUFBlocks(LinearMethod):
 
     @property
     def label(self) -> str:
-        return f"gguf {self.qtype}"
+        return f"gguf {self.qtype}" + ("" if self.dot == "float32" else f" ({self.dot} dot)")
 
     def check(self, layer, weight: ShardedParam) -> None:
         super().check(layer, weight)
@@ -128,11 +149,67 @@ class GGUFBlocks(LinearMethod):
         return [layer.weight(s) for s in self.suffixes]
 
     def apply(self, layer, x):
-        return tiled_matmul(x, self._arrays(layer), self.dequantize, layer.param_dtype)
+        if self.dot == "float32":
+            return tiled_matmul(x, self._arrays(layer), self.dequantize, layer.param_dtype)
+        arrays = self._arrays(layer)
+        out, inp = arrays[0].shape[0], x.shape[-1]
+        xs, m = pad_rows(x.reshape(-1, inp).astype(jnp.float32))           # [M', in]
+        dot = bf16_block_dot if self.dot == "bf16" else int8_block_dot
+        y = dot(self.qtype, xs, arrays, num_tiles(out, inp * 2))[:m]
+        return y.reshape(*x.shape[:-1], out)
 
     def embed(self, layer, ids):
         rows = [jnp.take(a, ids, axis=0) for a in self._arrays(layer)]
         return self.dequantize(*rows).astype(layer.param_dtype)
+
+
+def halves(qtype: str, values: jax.Array, nb: int) -> list[jax.Array]:
+    """A tile's values [f, nb * bytes] -> the weight's integer values q, [f, nb, k] each (int8), matching
+    `split_x`: Q8_0 one [f, nb, 32]; Q4_* the low and the high nibbles, [f, nb, 16] each (Q4_0: q - 8)."""
+    v = values.reshape(values.shape[0], nb, -1)
+    if not FORMATS[qtype].nibbles:
+        return [v]
+    parts = [(v & 0x0F).astype(jnp.int8), (v >> 4).astype(jnp.int8)]
+    return [p - 8 for p in parts] if qtype == "Q4_0" else parts
+
+
+def split_x(qtype: str, xb: jax.Array) -> list[jax.Array]:
+    """x's blocks [M, nb, 32] -> the pieces each of `halves` multiplies: [M, nb, 32], or its two halves of 16."""
+    return [xb[..., :BLOCK // 2], xb[..., BLOCK // 2:]] if FORMATS[qtype].nibbles else [xb]
+
+
+def bf16_block_dot(qtype: str, xs: jax.Array, arrays, n: int) -> jax.Array:
+    """[M, in] x the blocks -> [M, out] float32: each tile's weight w = q d (+ m) rounded to bf16, bf16 dots."""
+    m, inp = xs.shape
+    nb = inp // BLOCK
+    xparts = [p.astype(jnp.bfloat16).reshape(m, -1) for p in split_x(qtype, xs.reshape(m, nb, BLOCK))]
+
+    def tile(values, scale, minimum=None):                                # -> [M, f]
+        d = scale[..., None].astype(jnp.float32)
+        y = 0.0
+        for xp, q in zip(xparts, halves(qtype, values, nb)):
+            w = q.astype(jnp.float32) * d + (0.0 if minimum is None else minimum[..., None].astype(jnp.float32))
+            y = y + jnp.einsum("md,fd->mf", xp, w.astype(jnp.bfloat16).reshape(w.shape[0], -1),
+                               preferred_element_type=jnp.float32)
+        return y
+
+    return map_tiles(tile, arrays, n)
+
+
+def int8_block_dot(qtype: str, xs: jax.Array, arrays, n: int) -> jax.Array:
+    """[M, in] x the blocks -> [M, out] float32: x quantized per block, an int8 dot per block (module docstring)."""
+    m, inp = xs.shape
+    xb = xs.reshape(m, inp // BLOCK, BLOCK)
+    qx, sx = quantize_rows(xb)                                            # [M, nb, 32] int8, [M, nb, 1]
+    xparts, sx, xsum = split_x(qtype, qx), sx[..., 0], xb.sum(-1)         # xsum [M, nb]: Q4_1's min term
+
+    def tile(values, scale, minimum=None):                                # -> [M, f]
+        acc = sum(jnp.einsum("mbk,fbk->mfb", xp, q, preferred_element_type=jnp.int32)
+                  for xp, q in zip(xparts, halves(qtype, values, xb.shape[1])))
+        y = jnp.einsum("mfb,mb,fb->mf", acc.astype(jnp.float32), sx, scale.astype(jnp.float32))
+        return y if minimum is None else y + jnp.einsum("mb,fb->mf", xsum, minimum.astype(jnp.float32))
+
+    return map_tiles(tile, arrays, n)
 
 
 def blocks_to_float(xp, qtype: str, values, scale, minimum=None):

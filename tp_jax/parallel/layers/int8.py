@@ -10,9 +10,15 @@ W[out, in] ≈ Q * s[:, None] with s[o] = max_i |W[o, i]| / 127 and Q = round(W 
 A scale is the max over the *whole* row, whatever the split, so every tp gives the same Q
 and s (a row layer's rank reads its rows whole, one chunk at a time, and keeps its
 columns). Loading reads a rank's rows in chunks of about `CHUNK_BYTES` of float32, so no
-float copy of a whole tensor exists at any time. The GEMM: y = (x Q^T) * s, the scale
-applied to the output (exact for per-output-channel scales), Q converted one tile of rows
-at a time (`tiled_matmul`).
+float copy of a whole tensor exists at any time. Two GEMMs, by `activations`:
+
+* "float" (weight-only, W8A16): y = (x Q^T) * s in the layer's dtype, the scale applied to
+  the output (exact for per-output-channel scales), Q converted one tile of rows at a time
+  (`tiled_matmul`);
+* "int8" (vLLM's W8A8, dynamic per token): each row of x is quantized on the fly,
+  x ~ q_x * s_x (s_x = max|x_row| / 127), and y = (q_x Q^T)_int32 * s_x * s, an
+  int8 x int8 -> int32 dot (`fast_dot`). A row layer's rank quantizes its own slice of x
+  (no extra collective, as vLLM), so its results differ across tp by that rounding.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tp_jax.parallel.layers.loading import LazyTensor, ShardedParam, check_shape, take_rows
-from tp_jax.parallel.layers.method import DerivedParam, LinearMethod, WeightParam, out_in, tiled_matmul
+from tp_jax.parallel.layers.method import (DerivedParam, LinearMethod, QuantizationError, WeightParam, fast_dot,
+                                           out_in, quantize_rows, tiled_matmul)
 
 QMAX = 127
 CHUNK_BYTES = 16 * 2**20
@@ -33,8 +40,19 @@ CHUNK_BYTES = 16 * 2**20
 
 @dataclasses.dataclass(frozen=True)
 class Int8(LinearMethod):
-    """Weight-only int8 with per-output-channel float32 scales (see the module docstring)."""
+    """int8 weights with per-output-channel float32 scales; `activations` "float" (weight-only) or "int8"
+    (W8A8: per-token int8 activations, int32 accumulation). See the module docstring."""
+    activations: str = "float"
     name: ClassVar[str] = "int8"
+
+    def __post_init__(self):
+        if self.activations not in ("float", "int8"):
+            raise QuantizationError(f"Int8(activations={self.activations!r}): choose 'float' (weight-only) or "
+                                    f"'int8' (W8A8, per-token int8 activations)")
+
+    @property
+    def label(self) -> str:
+        return "w8a8" if self.activations == "int8" else "int8"
 
     @property
     def suffixes(self) -> tuple[str, ...]:
@@ -51,6 +69,9 @@ class Int8(LinearMethod):
                 "_scale": WeightParam(scale, (out,), np.dtype(np.float32))}
 
     def apply(self, layer, x):
+        if self.activations == "int8":
+            q, s = quantize_rows(x)                                       # [..., in] int8, [..., 1]
+            return fast_dot(q, layer.weight(), "md,fd->mf", jnp.int8) * s * layer.weight("_scale")
         dt = layer.param_dtype
         return tiled_matmul(x, [layer.weight()], lambda q: q, dt) * layer.weight("_scale").astype(dt)
 

@@ -14,8 +14,10 @@ Y = X A + b with A[D, F]:
                         after the reduce.
 
 Every layer states its split once (`statements()`); the local GEMM X_i A_i is its
-`method`'s (`method=None`: the float kernel; `Int8()`, `GGUFBlocks(...)`: see layers/method.py),
-so the collectives above are the same whatever the weight is in memory.
+`method`'s (`method=None`: the float kernel; `Bfloat16()`, `Int8()`, `GGUFBlocks(...)`: see
+layers/method.py), so the collectives above are the same whatever the weight is in memory.
+A method's GEMM may return float32 (its accumulator) in a layer of a narrower dtype: the
+all-reduce then runs in float32 and the layer casts its output to its dtype after it.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class ReplicatedLinear(_Linear):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.method.apply(self, x)
-        return y + self.bias[...] if self.bias is not None else y
+        return (y + self.bias[...] if self.bias is not None else y).astype(self.param_dtype)
 
 
 class ColumnParallelLinear(_Linear):
@@ -123,6 +125,7 @@ class ColumnParallelLinear(_Linear):
         y = self.method.apply(self, x)                   # [..., F_local]
         if self.bias is not None:
             y = y + self.bias[...]
+        y = y.astype(self.param_dtype)
         return collectives.all_gather(y, TP, dim=-1) if self.gather_output else y
 
 
@@ -167,6 +170,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         y = self.method.apply(self, x)
         if self.bias is not None:
             y = y + self.bias[...]
+        y = y.astype(self.param_dtype)
         if not self.gather_output or self.tp_size == 1:
             return y
         full = jax.lax.all_gather(y, TP, axis=0)                # [tp, ..., F_local]
@@ -237,10 +241,10 @@ class RowParallelLinear(_Linear):
         if not self.input_is_parallel and self.tp_size > 1:
             start = collectives.axis_index(TP) * self.in_local
             x = jax.lax.dynamic_slice_in_dim(x, start, self.in_local, axis=-1)
-        y = self.method.apply(self, x)                   # partial sum [..., F]
+        y = self.method.apply(self, x)                   # partial sum [..., F] (float32 from a fast method)
         if self.reduce_results:
             y = collectives.all_reduce(y, TP, self.reduce_strategy)
-            return y + self.bias[...] if self.bias is not None else y
+            return (y + self.bias[...] if self.bias is not None else y).astype(self.param_dtype)
         if self.bias is None:
             return y
         first = collectives.axis_index(TP) == 0 if self.tp_size > 1 else True

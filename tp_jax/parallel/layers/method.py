@@ -12,9 +12,17 @@ The split of responsibilities, as in vLLM's `LinearBase.quant_method`:
   built from the checkpoint tensors, and the local GEMM `apply(layer, x)`.
 
 A method is a small frozen dataclass, shared by every layer it serves; it holds no arrays.
-The methods: `Unquantized` (here: today's float kernel, bit for bit), `Int8`
-(layers/int8.py) and `GGUFBlocks` (layers/ggml.py). Named configurations ("int8", "gguf")
-that pick a method per layer live in layers/quantization.py.
+It also owns the dtypes the dot runs in (operands and accumulator). The methods:
+`Unquantized` (here: the float kernel in the model's dtype, bit for bit), `Bfloat16` (here: the
+weight in bf16, bf16 x bf16 dots accumulated in float32), `Int8` (layers/int8.py: int8 weights,
+float or per-token int8 activations) and `GGUFBlocks` (layers/ggml.py: a GGUF file's blocks).
+Named configurations that pick a method per layer live in layers/quantization.py.
+
+Every dot of a method that is not `Unquantized` goes through `fast_dot`: its operands are bf16
+or int8 with a float32 / int32 accumulator, the shapes XLA:CPU has fast kernels for (AVX-512
+BF16 / VNNI, AMX), and a single row is padded to two, since XLA:CPU's kernels for those types
+fall to a path ~10x slower at M = 1 (docs/performance.md). The result is float32 whatever
+the operands, so a row layer's all-reduce runs in float32; layers cast to their dtype after it.
 """
 
 from __future__ import annotations
@@ -155,9 +163,75 @@ class Unquantized(LinearMethod):
 UNQUANTIZED = Unquantized()
 
 
+@dataclasses.dataclass(frozen=True)
+class Bfloat16(LinearMethod):
+    """The float weight held in bfloat16; each dot rounds x to bf16 and accumulates in float32.
+
+    A bf16 checkpoint's weights are kept exactly (half the bytes of float32); the activations
+    lose their low 16 bits at each dot, as in a bf16 model, but the sums and everything
+    between the dots (norms, residual, attention, the KV cache) stay in the model's dtype.
+    """
+    name: ClassVar[str] = "bf16"
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        return ("",)
+
+    def params(self, weight, name, shape, dtype):
+        return {"": WeightParam(weight, tuple(shape), jnp.dtype(jnp.bfloat16))}
+
+    def apply(self, layer, x):
+        w = layer.weight()                                      # bf16: kernel [in, out] or table [out, in]
+        return fast_dot(x, w, "md,df->mf" if layer.weight_transposed else "md,fd->mf")
+
+    def embed(self, layer, ids):
+        return jnp.take(layer.weight(), ids, axis=0).astype(layer.param_dtype)
+
+
 def local_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x[..., D] @ W[D, F] -> [..., F] in the kernel's dtype."""
     return jnp.einsum("...d,df->...f", x.astype(kernel.dtype), kernel)
+
+
+def fast_dot(x: jax.Array, w: jax.Array, spec: str, x_dtype=jnp.bfloat16) -> jax.Array:
+    """x[..., D] (.) w with `spec` over the flattened rows ("md,df->mf", "md,fd->mf", ...) -> [..., F] float32.
+
+    The operands are x in `x_dtype` and w as it is (bf16, or int8 with int8 x: accumulated
+    in int32 and returned as float32, unscaled). One row is padded to two on CPU (see the
+    module docstring).
+    """
+    acc = jnp.int32 if jnp.issubdtype(x_dtype, jnp.integer) else jnp.float32
+    xs, m = pad_rows(x.reshape(-1, x.shape[-1]).astype(x_dtype))          # [M', D]
+    y = jnp.einsum(spec, xs, w, preferred_element_type=acc)[:m].astype(jnp.float32)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def pad_rows(xs: jax.Array) -> tuple[jax.Array, int]:
+    """([M', ...], M): one row becomes two (a zero row) on CPU, where bf16 / int8 dots are ~10x slower at M = 1."""
+    m = xs.shape[0]
+    if m == 1 and jax.default_backend() == "cpu":
+        xs = jnp.pad(xs, ((0, 1),) + ((0, 0),) * (xs.ndim - 1))
+    return xs, m
+
+
+def map_tiles(tile: Callable[..., jax.Array], arrays: Sequence[jax.Array], n: int) -> jax.Array:
+    """`tile(*parts)` -> [M, out / n] over `n` tiles of the output rows of `arrays` (each [out, ...]) -> [M, out].
+
+    With n > 1 a `lax.map`: one tile's temporaries (a dequantized block of the weight) stay
+    in cache and their buffer is reused.
+    """
+    if n == 1:
+        return tile(*arrays)
+    out = arrays[0].shape[0]
+    y = jax.lax.map(lambda parts: tile(*parts), [a.reshape(n, out // n, *a.shape[1:]) for a in arrays])
+    return jnp.moveaxis(y, 0, 1).reshape(y.shape[1], out)                 # [n, M, out / n] -> [M, out]
+
+
+def quantize_rows(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 along `axis`: (q int8, s float32 with `axis` kept as 1), x ~ q * s; s = max|x| / 127."""
+    s = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(jnp.float32) / 127.0
+    q = jnp.round(x / jnp.where(s > 0, s, 1.0)).astype(jnp.int8)
+    return q, s
 
 
 TILE_BYTES = 2 * 2**20         # float bytes of one dequantized tile: stays in cache, and its buffer is reused
@@ -174,15 +248,7 @@ def tiled_matmul(x: jax.Array, arrays: Sequence[jax.Array], dequantize: Callable
     out, inp = arrays[0].shape[0], x.shape[-1]
     n = num_tiles(out, inp * jnp.dtype(dtype).itemsize)
     xs = x.reshape(-1, inp).astype(dtype)                                 # [M, in]
-
-    def tile(parts) -> jax.Array:                                          # [M, out / n]
-        return jnp.einsum("md,fd->mf", xs, dequantize(*parts).astype(dtype))
-
-    if n == 1:
-        y = tile(arrays)
-    else:
-        y = jax.lax.map(tile, [a.reshape(n, out // n, *a.shape[1:]) for a in arrays])   # [n, M, out / n]
-        y = jnp.moveaxis(y, 0, 1).reshape(-1, out)
+    y = map_tiles(lambda *parts: jnp.einsum("md,fd->mf", xs, dequantize(*parts).astype(dtype)), arrays, n)
     return y.reshape(*x.shape[:-1], out)
 
 

@@ -1,6 +1,7 @@
 """Named quantizations (vLLM's `QuantizationConfig`): which `LinearMethod` each layer of a model gets.
 
-    quantization_config("int8" | "gguf") -> a config; QuantizationError listing the names
+    quantization_config(name)            -> a config ("bf16", "int8", "w8a8", "gguf", "gguf_bf16",
+                                            "gguf_int8"); QuantizationError listing the names
     quantization_choices()               -> what `LLM(quantization=...)` and `--quantization` accept
     config.method_for(layer, tensors)    -> the layer's method, or None (the layer stays float)
     apply_methods(model, plan)           -> swap methods on a built (abstract) model by module path
@@ -22,7 +23,7 @@ from flax import nnx
 from tp_jax.parallel.layers.ggml import KEPT, GGUFBlocks
 from tp_jax.parallel.layers.int8 import Int8
 from tp_jax.parallel.layers.loading import LazyTensor
-from tp_jax.parallel.layers.method import LinearMethod, QuantizationError
+from tp_jax.parallel.layers.method import Bfloat16, LinearMethod, QuantizationError
 
 FLOAT_TYPES = ("F32", "F16", "BF16")          # GGUF tensor types that load as float
 AUTO, NONE = "auto", "none"                   # the names that are no configuration: pick by checkpoint; float
@@ -37,23 +38,44 @@ class QuantizationConfig:
         raise NotImplementedError
 
 
-class Int8Config(QuantizationConfig):
-    """`Int8` for every layer kind it serves (linear layers, vocab tables), from any float checkpoint."""
-    name: ClassVar[str] = "int8"
+class Bfloat16Config(QuantizationConfig):
+    """`Bfloat16` (bf16 weights, bf16 x bf16 -> float32 dots) for every linear layer and vocab table."""
+    name: ClassVar[str] = "bf16"
 
     def method_for(self, layer, tensors):
-        return Int8() if layer.weight_kind in Int8.kinds else None
+        return Bfloat16() if layer.weight_kind in Bfloat16.kinds else None
+
+
+class Int8Config(QuantizationConfig):
+    """`Int8` (weight-only) for every layer kind it serves (linear layers, vocab tables), from any float checkpoint."""
+    name: ClassVar[str] = "int8"
+    activations: ClassVar[str] = "float"
+
+    def method_for(self, layer, tensors):
+        return Int8(self.activations) if layer.weight_kind in Int8.kinds else None
+
+
+class W8A8Config(Int8Config):
+    """`Int8(activations="int8")`: int8 weights and per-token int8 activations, int8 x int8 -> int32 dots."""
+    name: ClassVar[str] = "w8a8"
+    activations: ClassVar[str] = "int8"
 
 
 class GGUFConfig(QuantizationConfig):
-    """`GGUFBlocks(type)` where a GGUF file stores the weight as Q8_0 / Q4_0 / Q4_1; float tensors stay float."""
+    """`GGUFBlocks(type, dot)` where a GGUF file stores the weight as Q8_0 / Q4_0 / Q4_1; float tensors stay float.
+
+    "gguf" multiplies in float32 (bit for bit the file's dequantized weights), "gguf_bf16" and
+    "gguf_int8" with bf16 / per-block int8 dots (layers/ggml.py).
+    """
     name: ClassVar[str] = "gguf"
+    dot: ClassVar[str] = "float32"
 
     def method_for(self, layer, tensors):
         types = {n: getattr(t, "quant_type", None) for n, t in tensors.items()}
         plain = sorted(n for n, q in types.items() if q is None)
         if plain:
-            raise QuantizationError(f"quantization='gguf' keeps the blocks of a .gguf file's tensors; {plain[0]!r} "
+            raise QuantizationError(f"quantization={self.name!r} keeps the blocks of a .gguf file's tensors; "
+                                    f"{plain[0]!r} "
                                     f"is not a GGUF tensor (use quantization='int8', or None)")
         if set(types.values()) <= set(FLOAT_TYPES):
             return None
@@ -72,10 +94,22 @@ class GGUFConfig(QuantizationConfig):
         if stored_in_out:
             raise QuantizationError(f"tensor {stored_in_out[0]!r} is stored [in, out]; GGUF blocks run along "
                                     f"the input of an [out, in] weight; load with quantization=None")
-        return GGUFBlocks(kinds[0])
+        return GGUFBlocks(kinds[0], self.dot)
 
 
-QUANTIZATIONS: dict[str, type[QuantizationConfig]] = {"int8": Int8Config, "gguf": GGUFConfig}
+class GGUFBf16Config(GGUFConfig):
+    name: ClassVar[str] = "gguf_bf16"
+    dot: ClassVar[str] = "bf16"
+
+
+class GGUFInt8Config(GGUFConfig):
+    name: ClassVar[str] = "gguf_int8"
+    dot: ClassVar[str] = "int8"
+
+
+QUANTIZATIONS: dict[str, type[QuantizationConfig]] = {
+    "bf16": Bfloat16Config, "int8": Int8Config, "w8a8": W8A8Config,
+    "gguf": GGUFConfig, "gguf_bf16": GGUFBf16Config, "gguf_int8": GGUFInt8Config}
 
 
 def register_quantization(name: str, config: type[QuantizationConfig]) -> None:

@@ -1,0 +1,157 @@
+"""The fast dots (bf16 x bf16 -> float32, int8 x int8 -> int32), each against an independent reference
+on the same weights, within a stated bound, at tp in {1, 2, 8} and pp = 2.
+
+* layers: `Bfloat16`, W8A8 (`Int8(activations="int8")`) and GGUF blocks with bf16 / int8 dots
+  against numpy on the weights the method holds (the float weight; int8's Q * s by numpy; the
+  blocks dequantized by the `gguf` package), one row (padded to two inside) and six;
+* models: a bf16 tiny Llama with quantization="bf16" against transformers in bfloat16 and in
+  float32 on the same weights; the tiny GGUF with each fast dot,
+  and W8A8, against transformers on the dequantized weights.
+
+Bounds are relative to the reference's largest magnitude: bf16 rounds x to 8 mantissa bits
+(2^-9 relative per element), int8 to 1/254 of a row's (or block's) largest element.
+"""
+
+import numpy as np
+import pytest
+
+from tests.conftest import mesh_for
+from tests.quant_models import dequantized_copy, int8_dequantized, write_tiny_gguf
+from tests.test_layers import batch_spec, build, randn
+from tests.test_linear_methods import load, run
+from tests.test_quantized_models import perplexity
+from tests.tiny_models import hf_logits, make_checkpoint
+from tp_jax.parallel.layers import Bfloat16, GGUFBlocks, Int8, ParallelLMHead, RowParallelLinear
+from tp_jax.parallel.layers.ggml import QuantizedArray
+from tp_jax.parallel.layers.method import fast_dot
+from tp_jax.serving.llm import LLM
+
+# name -> (method, relative bound vs the float product on the method's weights)
+METHODS = {"bf16": (Bfloat16(), 1e-2), "w8a8": (Int8("int8"), 2e-2),
+           "Q8_0 bf16": (GGUFBlocks("Q8_0", "bf16"), 1e-2), "Q4_1 bf16": (GGUFBlocks("Q4_1", "bf16"), 1e-2),
+           "Q8_0 int8": (GGUFBlocks("Q8_0", "int8"), 2e-2), "Q4_0 int8": (GGUFBlocks("Q4_0", "int8"), 2e-2),
+           "Q4_1 int8": (GGUFBlocks("Q4_1", "int8"), 2e-2)}
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (8, 1, 1), (2, 1, 2)]       # (tp, dp, pp)
+
+
+def stored(name, w):
+    return QuantizedArray.quantize(w, name.split()[0]) if name[0] == "Q" else w
+
+
+def held(name, w):
+    """The weight the method computes with, by an independent path."""
+    if name[0] == "Q":
+        return stored(name, w)[...]
+    return int8_dequantized(w) if name == "w8a8" else w
+
+
+def rel_err(got, ref) -> float:
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+@pytest.mark.parametrize("name", METHODS)
+def test_row_layer_and_head(name, tp):
+    """A row layer (in 768: whole blocks at every tp) and a vocab head, 1 and 6 rows."""
+    method, bound = METHODS[name]
+    mesh = mesh_for(1, 1, tp)
+    w, b, head_w = randn(40, 768), randn(40, seed=1), randn(100, 64, seed=3)
+    row = load(build(mesh, RowParallelLinear, 768, 40, method=method), {"kernel": {"weight": stored(name, w)},
+                                                                         "bias": {"bias": b}})
+    head = load(build(mesh, ParallelLMHead, 100, 64, method=method), {"embedding": {"weight": stored(name, head_w)}})
+    for rows in (1, 6):
+        x, h = randn(rows, 768, seed=2), randn(rows, 64, seed=4)
+        y = run(row, mesh, x, in_spec=batch_spec("tp"))
+        assert y.dtype == np.float32
+        assert rel_err(y - b, x @ held(name, w).T) <= bound, f"{name} tp={tp} rows={rows}"
+        assert rel_err(run(head, mesh, h), h @ held(name, head_w).T) <= bound, f"{name} head tp={tp} rows={rows}"
+
+
+def test_bf16_is_the_bf16_rounded_product_accumulated_in_float32():
+    """Bfloat16 computes bf16(x) @ bf16(W) exactly up to float32 summation order, one row as six."""
+    import jax.numpy as jnp
+    import ml_dtypes
+    x, w = randn(6, 256), randn(256, 96, seed=1)
+    ref = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ w.astype(ml_dtypes.bfloat16).astype(np.float64)
+    got = np.asarray(fast_dot(jnp.asarray(x), jnp.asarray(w, jnp.bfloat16), "md,df->mf"))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+    one = np.asarray(fast_dot(jnp.asarray(x[:1]), jnp.asarray(w, jnp.bfloat16), "md,df->mf"))
+    np.testing.assert_allclose(one, got[:1], rtol=1e-6, atol=1e-6)             # the padded row changes nothing
+
+
+def test_row_layer_all_reduce_runs_in_float32_in_a_bf16_model():
+    """A bf16 layer with a fast method: the partial sums are reduced in float32, the output is bf16."""
+    import jax
+    from tests.test_layers import hlo_of
+    mesh = mesh_for(1, 1, 2)
+    row = build(mesh, RowParallelLinear, 64, 16, method=Bfloat16(), dtype=jax.numpy.bfloat16, bias=False)
+    hlo = hlo_of(row, mesh, randn(4, 64).astype(jax.numpy.bfloat16), batch_spec("tp"), batch_spec())
+    reduces = [line for line in hlo.splitlines() if "all-reduce(" in line]
+    assert reduces and all("f32[" in line.split("=")[1].split("all-reduce(")[0] for line in reduces), reduces
+
+
+# --- models -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("fast"))
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(0).integers(0, 1000, size=(3, 13))
+
+
+def load_llm(path, layout, **kw):
+    tp, dp, pp = layout
+    return LLM(path, tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, progress=False, **kw)
+
+
+@pytest.mark.slow
+def test_bf16_checkpoint_with_bf16_dots_against_transformers(root, ids):
+    """A bf16 checkpoint's weights as stored, bf16 dots: closer to transformers float32 on the same weights
+    than transformers' own bf16 run is, at every layout."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    path = make_checkpoint("bf16sharded", root)
+    ref32 = hf_logits(path, ids)
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref16 = hf16(torch.tensor(ids)).logits.float().numpy()
+    gap16 = float(np.abs(ref16 - ref32).max())
+    for layout in LAYOUTS:
+        llm = load_llm(path, layout, quantization="bf16")
+        assert llm.quantization == "bf16"
+        got = llm.get_logits(ids)
+        err = float(np.abs(got - ref32).max())
+        print(f"bf16 tiny {layout}: max |ours - hf float32| {err:.2e}, |hf bf16 - hf float32| {gap16:.2e}")
+        assert err <= gap16 and rel_err(got, ref32) <= 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization,bound", [("auto", 2e-2), ("gguf_int8", 5e-2)])
+def test_gguf_fast_dots_against_transformers_on_the_dequantized_weights(root, ids, quantization, bound):
+    """The same logits at every layout (each rank quantizes whole blocks); perplexity within 1% of the reference."""
+    path, float_dir, deq_dir = write_tiny_gguf(root)
+    ref_deq = hf_logits(deq_dir, ids)
+    ppl_ref = perplexity(ref_deq, ids)
+    for layout in LAYOUTS:
+        llm = load_llm(path, layout, quantization=quantization)
+        assert llm.quantization.endswith("dot)")
+        got = llm.get_logits(ids)
+        err, ppl = rel_err(got, ref_deq), perplexity(got, ids)
+        print(f"gguf {quantization} ({llm.quantization}) {layout}: max |logits - ref| / max |ref| {err:.2e}, "
+              f"perplexity {ppl:.3f} vs {ppl_ref:.3f}")
+        assert err <= bound and abs(ppl / ppl_ref - 1) <= 0.01
+
+
+@pytest.mark.slow
+def test_w8a8_against_transformers_on_the_int8_weights(root, ids):
+    path = make_checkpoint("h9kv3", root)
+    ref = hf_logits(dequantized_copy(path, f"{path}_int8", lambda _, w: int8_dequantized(w)), ids)
+    for layout in LAYOUTS:
+        llm = load_llm(path, layout, quantization="w8a8")
+        assert llm.quantization == "w8a8"
+        err = rel_err(llm.get_logits(ids), ref)
+        print(f"w8a8 tiny {layout}: max |logits - ref| / max |ref| {err:.2e}")
+        assert err <= 3e-2

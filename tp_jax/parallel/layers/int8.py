@@ -52,7 +52,7 @@ class Int8(LinearMethod):
 
     @property
     def label(self) -> str:
-        return "w8a8" if self.activations == "int8" else "int8"
+        return "w8a8" if self.activations == "int8" else self.name
 
     @property
     def suffixes(self) -> tuple[str, ...]:

@@ -36,6 +36,12 @@ def _tp_dim(spec) -> int | None:
     return None
 
 
+def _shards(entry, mesh: Mesh) -> int:
+    """How many blocks a spec entry cuts its dimension into: tp, or dp x tp for experts split over both."""
+    axes = entry if isinstance(entry, tuple) else (entry,)
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
 def _check_finite(block: np.ndarray, b: Binding, names: dict[str, str], rank: int, source_block) -> None:
     if not np.issubdtype(block.dtype, np.floating) and block.dtype.kind != "V":
         bad = 0
@@ -62,7 +68,8 @@ def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map
     shape = tuple(abstract.shape)
     if isinstance(b.decl, DerivedParam) or _method_weight(b):
         dtype = np.dtype(abstract.dtype)
-    tp_dim, tp = _tp_dim(spec), mesh.shape[TP]
+    tp_dim = _tp_dim(spec)
+    tp = None if tp_dim is None else _shards(spec[tp_dim], mesh)
 
     def one(rank: int, layer: int | None) -> np.ndarray:
         names = b.tensor_names(layer)

@@ -119,6 +119,83 @@ class ShardedParam:
         return out.T if self.transpose else out
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertParam(ShardedParam):
+    """Stacked experts `[E_slots, ...]`: each expert declared like a 2-D param, the expert dim split over `axes`.
+
+    Parts are per expert, named "<part>.<e>" (`expert_parts`), each with the shape and tp rows of
+    one expert's tensor. Two layouts:
+
+    * `slots=None`: every rank holds every expert and tp splits each (`split`, `rows` as for a
+      dense layer); the block of tp rank r is `[E, ...]`.
+    * `slots[ranks, E_local]`: rank r of the expert group (`axes`, e.g. ("dp", "tp") flattened)
+      holds whole experts `slots[r]` (-1: a never-routed zero slot); its block is `[E_local, ...]`
+      and reads only those experts' tensors.
+    """
+    slots: tuple[tuple[int, ...], ...] | None = None
+    axes: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+
+    @classmethod
+    def build(cls, per_expert: Mapping[str, PartRows], num_experts: int, *, split: int | None, transpose: bool,
+              slots: np.ndarray | None = None, axes: tuple[str, ...] = ()) -> ExpertParam:
+        parts = {f"{n}.{e}": p for e in range(num_experts) for n, p in per_expert.items()}
+        slots = None if slots is None else tuple(map(tuple, np.asarray(slots).tolist()))
+        return cls(parts, split=split, transpose=transpose, slots=slots, axes=tuple(axes), names=tuple(per_expert))
+
+    @property
+    def ndim(self) -> int:
+        return 1 + len(next(iter(self.parts.values())).hf_shape)
+
+    def _expert(self) -> ShardedParam:
+        return ShardedParam({n: self.parts[f"{n}.0"] for n in self.names}, split=self.split, transpose=self.transpose)
+
+    @property
+    def param_dim(self) -> int | None:
+        if self.slots is not None:
+            return 0
+        inner = self._expert().param_dim
+        return None if inner is None else inner + 1
+
+    def spec(self) -> tuple:
+        lead = None if not self.axes else (self.axes[0] if len(self.axes) == 1 else self.axes)
+        return (lead, *self._expert().spec())
+
+    def padding_mask(self, shape):
+        return None
+
+    def block(self, rank: int, tensors: Mapping[str, LazyTensor], names: Mapping[str, str] | None = None,
+              ) -> np.ndarray:
+        """Rank `rank`'s experts, stacked: `[E or E_local, ...]`; padding slots are zeros, nothing read for them."""
+        one, names = self._expert(), names or {}
+        experts = range(len(self.parts) // len(self.names)) if self.slots is None else self.slots[rank]
+        inner_rank = rank if self.slots is None else 0
+        out = []
+        for e in experts:
+            if e < 0:
+                out.append(None)
+                continue
+            keys = {n: f"{n}.{e}" for n in self.names}
+            missing = [k for k in keys.values() if k not in tensors]
+            if missing:
+                raise KeyError(f"missing weight part(s) {missing}")
+            out.append(one.block(inner_rank, {n: tensors[k] for n, k in keys.items()},
+                                 {n: names.get(k, k) for n, k in keys.items()}))
+        shape = self._expert_shape(inner_rank)
+        dtype = next((b.dtype for b in out if b is not None), np.float32)
+        return np.stack([np.zeros(shape, dtype) if b is None else b for b in out]) if out else \
+            np.zeros((0, *shape), dtype)
+
+    def _expert_shape(self, rank: int) -> tuple[int, ...]:
+        parts = [self.parts[f"{n}.0"] for n in self.names]
+        shape = list(parts[0].hf_shape)
+        if self.split is not None:
+            shape[self.split] = sum(len(p.rows[rank]) for p in parts)
+        elif len(parts) > 1:
+            shape[0] = sum(p.hf_shape[0] for p in parts)
+        return tuple(shape[::-1]) if self.transpose else tuple(shape)
+
+
 def check_shape(name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
     if tuple(got) != tuple(expected):
         raise WeightShapeError(f"weight {name!r} has shape {tuple(got)}, expected {tuple(expected)} "

@@ -121,6 +121,33 @@ def test_registry_knows_the_new_architectures():
     assert model_class("MistralForCausalLM").__module__ == "tp_jax.models.mistral"
 
 
+def test_the_config_chooses_the_parts():
+    """One shell and one decoder layer for every model; what differs is built from config fields."""
+    import jax
+    from transformers import GPT2Config
+    from tp_jax.loaders.model import abstract_model
+    from tp_jax.models.causal_lm import CausalLM
+    from tp_jax.models.decoder import DecoderConfig, DenseMLP
+    from tp_jax.parallel.layers import LayerNorm
+    from tp_jax.parallel.mesh import make_mesh
+    mesh = make_mesh(devices=jax.devices()[:1])
+    gpt2 = GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=4, architectures=["GPT2LMHeadModel"])
+    built = {name: abstract_model(config_from_hf(cfg), mesh)
+             for name, cfg in [*((n, hf_config(n)) for n in VARIANTS), ("gpt2", gpt2)]}
+    for name, model in built.items():
+        attn, mlp = model.model.layers.layers.self_attn, model.model.layers.layers.mlp
+        assert isinstance(model, CausalLM) and isinstance(mlp, DenseMLP), name
+        assert (attn.q_norm is not None) == (name == "qwen3"), name
+        assert (attn.qkv_proj.bias is not None, attn.o_proj.bias is not None) == {
+            "qwen2": (True, False), "gpt2": (True, True)}.get(name, (False, False)), name
+        assert (model.model.embed_positions is not None) == (name == "gpt2") == (attn.freq is None), name
+        assert isinstance(model.model.norm, LayerNorm) == (name == "gpt2") == hasattr(mlp, "up_proj"), name
+    assert built["mistral"].model.layers.layers.self_attn.window == WINDOW
+    with pytest.raises(ValueError, match=r"feed_forward='moe'; choose one of \['dense'\]"):
+        dataclasses.replace(config_from_hf(hf_config("qwen2")), feed_forward="moe")
+    assert isinstance(config_from_hf(gpt2), DecoderConfig)
+
+
 # --- real sizes, abstractly (jax.eval_shape: no memory) ---------------------------------------
 
 REAL = {   # name: (config class, fields); released configs, trimmed to what matters here

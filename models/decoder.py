@@ -1,0 +1,171 @@
+"""The parts of a decoder layer, each chosen and parameterized by the model's config (`DecoderConfig`).
+
+    DecoderLayer:  h += self_attn(input_layernorm(h))            pre-norm residual, two all-reduces
+                   h += mlp(post_attention_layernorm(h))
+    Attention:     q, k, v = qkv_proj(x)                          QKV column -> local heads
+                   q, k = q_norm(q), k_norm(k)                    if `qk_norm` (Qwen3)
+                   q, k = rope(q), rope(k)                        if `rope` is not None (not GPT-2)
+                   o_proj(attend(q, k, v, window))                row (all-reduce)
+    DenseMLP:      down_proj(act(gate) * up), gate | up = gate_up_proj(x)     if `gated_mlp` (Llama)
+                   down_proj(act(up_proj(x)))                                  else (GPT-2)
+
+The config says what each part is: the norm kind (`NORMS`), the biases, the q/k norm, the
+window, the rotary embedding, the activation (`ACTIVATIONS`) and the feed-forward part
+(`FEED_FORWARDS`: `feed_forward="dense"` today; a Mixture-of-Experts block plugs in as one more
+entry, built as `make(cfg, tp, dtype, rngs)` and called as `mlp(x)` on local shapes
+x[B, T, D] -> [B, T, D], its all-reduce inside). A model file states its architecture as a
+config map (HF fields -> `DecoderConfig`), not as subclasses; `models/causal_lm.py` wraps the
+layers in the one causal-LM shell. Everything runs inside `shard_map` on local shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tp_jax.models.attention import attend
+from tp_jax.models.cache import LayerCache
+from tp_jax.models.config import ModelConfig
+from tp_jax.models.rope import RopeConfig, apply_rope, inv_freq
+from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, MergedColumnParallelLinear, QKVParallelLinear,
+                                    RowParallelLinear)
+from tp_jax.parallel.layers.norm import RMSNorm
+
+# config `norm` -> the replicated norm layer (LayerNorm carries a bias, as GPT-2's does).
+NORMS: dict[str, type[nnx.Module]] = {"rms": RMSNorm, "layer": LayerNorm}
+
+# config `hidden_act` (HF's names) -> the function; gelu_new / gelu_pytorch_tanh are the tanh approximation.
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu, "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False), "relu": jax.nn.relu}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig(ModelConfig):
+    """ModelConfig plus the fields that choose and size a decoder layer's parts.
+
+    Args (besides ModelConfig's):
+      intermediate_size: the feed-forward width F.
+      norm: a `NORMS` name ("rms": RMSNorm; "layer": LayerNorm with bias); norm_eps its epsilon.
+      qkv_bias, o_bias: biases on q/k/v and on the output projection.
+      qk_norm: a per-head RMSNorm on q and k before the rotary embedding (Qwen3).
+      sliding_window: keys a query sees, itself included (None: full attention).
+      rope: the rotary embedding (`RopeConfig`); None: none (positions are learned embeddings).
+      learned_positions: a position-embedding table added to the token embedding (GPT-2).
+      attention_scale: the score scale (None: head_dim ** -0.5).
+      hidden_act: an `ACTIVATIONS` name; gated_mlp: act(gate) * up (True) or act(up) (False);
+      mlp_bias: biases on the feed-forward projections.
+      feed_forward: a `FEED_FORWARDS` name, the feed-forward part of every layer.
+    """
+    intermediate_size: int
+    norm: str = "rms"
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    rope: RopeConfig | None = RopeConfig()
+    learned_positions: bool = False
+    attention_scale: float | None = None
+    hidden_act: str = "silu"
+    gated_mlp: bool = True
+    mlp_bias: bool = False
+    feed_forward: str = "dense"
+
+    def __post_init__(self):
+        super().__post_init__()
+        name = type(self).__name__
+        if not isinstance(self.intermediate_size, int) or self.intermediate_size < 1:
+            raise ValueError(f"{name}: intermediate_size={self.intermediate_size!r} must be a positive integer.")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"{name}: sliding_window={self.sliding_window!r} must be a positive integer "
+                             f"(the number of most recent keys a query sees, itself included) or None.")
+        for field, table in (("norm", NORMS), ("hidden_act", ACTIVATIONS), ("feed_forward", FEED_FORWARDS)):
+            if getattr(self, field) not in table:
+                raise ValueError(f"{name}: {field}={getattr(self, field)!r}; choose one of {sorted(table)}")
+
+
+def make_norm(cfg: DecoderConfig, dim: int, tp: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
+    """The config's norm over the last axis of size `dim`, replicated on every rank."""
+    return NORMS[cfg.norm](dim, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """x[B, T, D] -> [B, T, D]: QKV column -> (q/k norm) -> (rope) -> `attend` -> o_proj row (all-reduce).
+
+    Args: `cfg` (DecoderConfig: heads, biases, qk_norm, window, rope, scale), `tp`, `dtype`, `rngs`.
+    Heads follow the head plan of `qkv_proj` (padded q slots stay zero through the q norm:
+    0 * rsqrt(eps) = 0).
+    """
+
+    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(d, hd, cfg.num_heads, cfg.num_kv_heads, tp_size=tp, bias=cfg.qkv_bias,
+                                          dtype=dtype, rngs=rngs)
+        self.o_proj = RowParallelLinear.over_heads(self.qkv_proj.plan, hd, d, bias=cfg.o_bias, dtype=dtype,
+                                                   rngs=rngs)
+        self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs) if cfg.qk_norm else None
+        self.freq = None if cfg.rope is None else tuple(inv_freq(cfg.rope, hd).tolist())   # static, not state
+        self.scale = hd ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
+        self.window = cfg.sliding_window
+
+    def __call__(self, x, positions, cache: LayerCache | None):
+        q, k, v = self.qkv_proj(x)                           # [B, T, q_local | kv_local, hd]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.freq is not None:
+            freq = np.asarray(self.freq, np.float32)
+            q, k = apply_rope(q, positions, freq), apply_rope(k, positions, freq)
+        out, cache = attend(q, k, v, positions, cache, scale=self.scale, window=self.window)
+        return self.o_proj(out), cache
+
+
+class DenseMLP(nnx.Module):
+    """x[B, T, D] -> [B, T, D]: column W[D, F_tp] (gate | up merged when `gated_mlp`) -> act -> row W[F_tp, D].
+
+    Args: `cfg` (DecoderConfig: intermediate_size, hidden_act, gated_mlp, mlp_bias), `tp`, `dtype`, `rngs`.
+    """
+
+    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs):
+        d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        if cfg.gated_mlp:
+            self.gate_up_proj = MergedColumnParallelLinear(d, (f, f), tp_size=tp, bias=bias, dtype=dtype, rngs=rngs)
+        else:
+            self.up_proj = ColumnParallelLinear(d, f, tp_size=tp, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = RowParallelLinear(f, d, tp_size=tp, bias=bias, dtype=dtype, rngs=rngs)
+        self.gated, self.act = cfg.gated_mlp, cfg.hidden_act
+
+    def __call__(self, x):
+        act = ACTIVATIONS[self.act]
+        if self.gated:
+            gate, up = self.gate_up_proj.split(self.gate_up_proj(x))       # [B, T, F_tp] each
+            return self.down_proj(act(gate) * up)
+        return self.down_proj(act(self.up_proj(x)))
+
+
+# config `feed_forward` -> make(cfg, tp, dtype, rngs), a module called as mlp(x[B, T, D]) -> [B, T, D].
+FEED_FORWARDS: dict[str, Callable[[DecoderConfig, int, object, nnx.Rngs], nnx.Module]] = {"dense": DenseMLP}
+
+
+class DecoderLayer(nnx.Module):
+    """h[B, T, D] -> h + attention(norm(h)), then + mlp(norm(h)): the one decoder layer of every model.
+
+    Args: `cfg` (DecoderConfig: `norm` picks both norms, `feed_forward` the mlp), `tp`, `dtype`, `rngs`.
+    """
+
+    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, tp, dtype, rngs)
+        self.self_attn = Attention(cfg, tp, dtype, rngs)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, tp, dtype, rngs)
+        self.mlp = FEED_FORWARDS[cfg.feed_forward](cfg, tp, dtype, rngs)
+
+    def __call__(self, h, positions, cache: LayerCache | None):
+        a, cache = self.self_attn(self.input_layernorm(h), positions, cache)
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h)), cache

@@ -77,7 +77,7 @@ class Binding:
             name = e.name(layer)
             t = as_lazy(source.get(name), name)
             rows = None if e.offset is None else self.decl.parts[part].hf_shape[0]
-            out[part] = TensorView(t, e.layout, e.offset or 0, rows)
+            out[part] = TensorView(t, e.layout, e.offset or 0, rows, e.index)
         return out
 
 
@@ -208,13 +208,20 @@ def check_source(bindings: list[Binding], source, table: WeightTable | Sequence[
                     continue
                 used.add(name)
                 shape = tuple(as_lazy(source.get(name), name).shape)
+                if e.index is not None:
+                    if not shape or not 0 <= e.index < shape[0]:
+                        wrong.append(f"tensor {name!r} has shape {shape}; entry {e.index} of its leading dimension "
+                                     f"was expected (param {b.path!r} part {part!r})")
+                        continue
+                    shape = shape[1:]
                 problem = _shape_problem(b, part, e, name, shape)
                 if problem:
                     wrong.append(problem)
                 elif e.offset is not None:
                     rows = shape[::-1][0] if e.layout == "in_out" else shape[0]
                     span = (e.offset, e.offset + b.decl.parts[part].hf_shape[0])
-                    rows_used.setdefault(name, (rows, []))[1].append(span)
+                    key = name if e.index is None else f"{name}[{e.index}]"
+                    rows_used.setdefault(key, (rows, []))[1].append(span)
     if missing:
         raise MissingWeightError(_missing_message(missing, bindings, source, num_layers))
     if wrong:

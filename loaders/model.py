@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -17,7 +18,7 @@ from tp_jax.loaders.sources import open_checkpoint
 from tp_jax.models.config import ModelConfig
 from tp_jax.models.registry import architecture, check_instance
 from tp_jax.parallel.layers import LinearMethod, apply_methods
-from tp_jax.parallel.mesh import PP, TP, make_mesh
+from tp_jax.parallel.mesh import DP, PP, TP, make_mesh
 
 
 def abstract_model(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32,
@@ -28,6 +29,7 @@ def abstract_model(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32,
     the model's own code never sees quantization.
     """
     cls = architecture(cfg.architecture).model
+    cfg = for_mesh(cfg, mesh)
 
     def build():
         model = cls(cfg, tp_size=mesh.shape[TP], pp_size=mesh.shape[PP], dtype=dtype, rngs=nnx.Rngs(0))
@@ -40,6 +42,15 @@ def abstract_model(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32,
     return model
 
 
+def for_mesh(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
+    """`cfg` with the mesh facts a model's layout needs: `data_parallel_size` (an MoE model's expert group
+    under expert parallelism is the dp x tp devices of a stage), for configs that have that field."""
+    if any(f.name == "data_parallel_size" for f in dataclasses.fields(cfg)) and \
+            cfg.data_parallel_size != mesh.shape[DP]:
+        return dataclasses.replace(cfg, data_parallel_size=mesh.shape[DP])
+    return cfg
+
+
 def load_from_source(cfg: ModelConfig, source, mesh: Mesh, dtype=jnp.float32, progress: bool = True, *,
                      check_weights: bool = True, quantization: str | None = None) -> nnx.Module:
     """The model for `cfg` on `mesh`, each device's params read from `source` (see `load_state`).
@@ -48,7 +59,7 @@ def load_from_source(cfg: ModelConfig, source, mesh: Mesh, dtype=jnp.float32, pr
     problems are raised before any tensor data is read.
     """
     model = abstract_model(cfg, mesh, dtype)
-    table = architecture(cfg.architecture).weights(cfg)
+    table = architecture(cfg.architecture).weights(cfg).for_names(source.keys())
     methods = plan_methods(model, table, source, cfg.num_layers, quantization)
     if methods:
         model = abstract_model(cfg, mesh, dtype, methods)

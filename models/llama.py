@@ -38,21 +38,24 @@ WINDOW_MODES = ("none", "all", "per_layer")
 
 
 def llama_config(hf, raw=None, *, window: str = "none", qk_norm: bool = False, qkv_bias: bool | None = None,
-                 o_bias: bool | None = None) -> DecoderConfig:
+                 o_bias: bool | None = None, extra_fields=None, extend=None) -> DecoderConfig:
     """DecoderConfig from an HF config of the Llama family. `window`: how the architecture reads
     `sliding_window` ("none": must be unset; "all": every layer slides, Mistral; "per_layer":
     Qwen2/3, refused unless no layer slides). `qk_norm`: the architecture has q/k norms (Qwen3).
-    `qkv_bias` / `o_bias`: the architecture's own biases (Qwen2); None: `attention_bias`."""
+    `qkv_bias` / `o_bias`: the architecture's own biases (Qwen2); None: `attention_bias`.
+    `extra_fields` / `extend`: more HF fields the architecture reads, and `extend(fields, arch)
+    -> (config class, its extra arguments)` (the MoE models, models/moe.py)."""
     if window not in WINDOW_MODES:
         raise ValueError(f"llama_config: window={window!r}; choose one of {WINDOW_MODES}")
     arch = first_architecture(hf)
-    fields = {**LLAMA_FIELDS, **(PER_LAYER_WINDOW_FIELDS if window == "per_layer" else {})}
+    fields = {**LLAMA_FIELDS, **(PER_LAYER_WINDOW_FIELDS if window == "per_layer" else {}), **(extra_fields or {})}
     f = read_fields(hf, fields, arch, raw)
+    cls, more = extend(f, arch) if extend else (DecoderConfig, {})
     if f["hidden_act"] not in ("silu", "swish"):
         raise UnsupportedConfigError(f"config field hidden_act={f['hidden_act']!r} is not supported for {arch}; "
                                      f"only 'silu'")
     heads, bias = f["num_attention_heads"], bool(f["attention_bias"])
-    return DecoderConfig(
+    return cls(
         architecture=arch, vocab_size=f["vocab_size"], hidden_size=f["hidden_size"],
         intermediate_size=f["intermediate_size"], num_layers=f["num_hidden_layers"], num_heads=heads,
         num_kv_heads=f["num_key_value_heads"] or heads, head_dim=f["head_dim"] or f["hidden_size"] // heads,
@@ -62,7 +65,7 @@ def llama_config(hf, raw=None, *, window: str = "none", qk_norm: bool = False, q
         qkv_bias=bias if qkv_bias is None else qkv_bias, o_bias=bias if o_bias is None else o_bias,
         mlp_bias=bool(f["mlp_bias"]), hidden_act="silu", gated_mlp=True, qk_norm=qk_norm,
         sliding_window=_sliding_window(f, arch, window),
-        bos_token_id=f["bos_token_id"], eos_token_ids=eos_ids(f["eos_token_id"]))
+        bos_token_id=f["bos_token_id"], eos_token_ids=eos_ids(f["eos_token_id"]), **more)
 
 
 def _sliding_window(f: dict, arch: str, mode: str) -> int | None:

@@ -87,6 +87,7 @@ RULES: dict[str, Callable[[str, Any], None]] = {
     "check_weights": _flag,
     "quantization": _quantization,
     "unroll_layers": _flag,
+    "enable_expert_parallel": _flag,
 }
 
 

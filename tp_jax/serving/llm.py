@@ -14,6 +14,8 @@ compiled once per shape bucket.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import jax
@@ -72,7 +74,9 @@ class LLM:
     bf16 weights, bf16 x bf16 -> float32 dots; "gguf": keep GGUF blocks, float32 dots, an error
     if a type cannot be kept; "gguf_bf16" / "gguf_int8": the same blocks, bf16 / per-block int8
     dots; None or "none": every weight in float; see docs/quantization.md). `.quantization`
-    says how the loaded weights are held.
+    says how the loaded weights are held. enable_expert_parallel (MoE models, vLLM's flag): whole
+    experts on the dp x tp devices of each pipeline stage instead of every expert split over tp
+    (no effect on a dense model, as in vLLM; see tp_jax/parallel/layers/moe.py).
     """
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -83,7 +87,7 @@ class LLM:
                  num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
                  check_weights: bool = True, compile_cache: bool | str = True,
                  attention_backend: str = "reference", unroll_layers: bool = False,
-                 quantization: str | None = "auto"):
+                 quantization: str | None = "auto", enable_expert_parallel: bool = False):
         validate_llm_args(**locals())                  # types and ranges, before any work (EngineConfig: the rest)
         from tp_jax.serving import compile_cache as cache
         self.compile_cache_dir = cache.enable(compile_cache)
@@ -99,6 +103,8 @@ class LLM:
         choose_microbatches(1, self.num_microbatches)              # bad values fail before the load
         checkpoint = open_checkpoint(self.model_path)
         source, self.config = checkpoint.source, checkpoint.config
+        if enable_expert_parallel and hasattr(self.config, "enable_expert_parallel"):
+            self.config = dataclasses.replace(self.config, enable_expert_parallel=True)
         limit = self.config.max_position_embeddings
         self.max_model_len = min(limit, 2048) if max_model_len is None else int(max_model_len)
         if not 1 <= self.max_model_len <= limit:

@@ -10,6 +10,11 @@ An entry may declare two storage facts, so no layer has to be subclassed for the
   caught by shape, so declare the layout on every entry of a checkpoint that uses it.
 * `offset=k`: the part is rows `[k, k + n)` (n = the part's declared size) of a larger
   fused tensor, e.g. GPT-2's `c_attn` holding q | k | v.
+* `index=e`: the part is entry e of the stored tensor's leading dimension (one expert of a
+  fused `[E, ...]` expert tensor); layout and offset then apply to that entry.
+
+A table may carry `variants`: the same model's table for another way checkpoints store it
+(fused experts); the loader uses the first whose tensors the checkpoint holds.
 
 `TensorView` presents a stored tensor in the declared layout, lazily: a rank's slab of
 the view reads only the matching slab of the stored tensor.
@@ -39,12 +44,14 @@ class Entry:
         "in_out" (stored transposed, GPT-2's Conv1D); only for 2-D tensors.
       offset: None when the whole tensor is the part; k when the part is rows [k, k + n)
         of the tensor's first dimension (in the declared layout).
+      index: None, or e: the part is `tensor[e]` (a fused `[E, ...]` tensor of experts).
     """
     hf: str
     param: str
     part: str
     layout: str = "out_in"
     offset: int | None = None
+    index: int | None = None
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -73,10 +80,21 @@ class WeightTable:
     """
     entries: tuple[Entry, ...]
     ignored: tuple[str, ...] = ()
+    variants: tuple[WeightTable, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "entries", tuple(self.entries))
         object.__setattr__(self, "ignored", tuple(self.ignored))
+        object.__setattr__(self, "variants", tuple(self.variants))
+
+    def for_names(self, names) -> WeightTable:
+        """This table, or the first variant whose layer-0 / unstacked tensor names all appear in `names`
+        (a checkpoint's keys) when this one's do not."""
+        names = set(names)
+        for table in (self, *self.variants):
+            if all(e.name(0) in names for e in table.entries):
+                return table
+        return self
 
     def is_ignored(self, name: str) -> bool:
         return any(template_regex(t).fullmatch(name) for t in self.ignored)
@@ -93,7 +111,10 @@ class TensorView:
     `shape` is the view's; `view[slices]` reads only the matching slab of the stored tensor.
     """
 
-    def __init__(self, tensor, layout: str = "out_in", offset: int = 0, rows: int | None = None):
+    def __init__(self, tensor, layout: str = "out_in", offset: int = 0, rows: int | None = None,
+                 index: int | None = None):
+        if index is not None:
+            tensor = _Indexed(tensor, index)
         self.tensor, self.transposed, self.offset = tensor, layout == "in_out", offset
         shape = tuple(tensor.shape)
         shape = shape[::-1] if self.transposed else shape
@@ -122,6 +143,17 @@ class TensorView:
         if self.transposed:
             raise ValueError("a tensor stored [in, out] has no row blocks: its quant blocks run along the output")
         return TensorView(self.tensor.blocks(), "out_in", self.offset, self.shape[0])
+
+
+class _Indexed:
+    """`tensor[index]` of a lazy tensor, itself lazy: slicing reads only that entry's slab."""
+
+    def __init__(self, tensor, index: int):
+        self.tensor, self.index, self.shape = tensor, index, tuple(tensor.shape)[1:]
+
+    def __getitem__(self, sl) -> np.ndarray:
+        sl = _slices(sl, self.shape)
+        return np.asarray(self.tensor[(slice(self.index, self.index + 1), *sl)])[0]
 
 
 def _slices(index, shape: tuple[int, ...]) -> list[slice]:

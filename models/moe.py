@@ -1,0 +1,165 @@
+"""The Mixture-of-Experts feed-forward part (`feed_forward="moe"`) and what the MoE models share.
+
+    mlp(x) = sum_k w_k expert_k(x) (+ sigmoid(x W_s) shared(x))      tp_jax/parallel/layers/moe.py
+
+* `MoEConfig`: `DecoderConfig` plus the router's and experts' sizes and the parallel layout
+  (`enable_expert_parallel`, from `LLM(enable_expert_parallel=...)`; `data_parallel_size`, set by
+  the loader from the mesh, since EP places whole experts on the dp x tp devices of a stage).
+* `moe_config(...)`: the Llama-family config map plus the MoE fields. Qwen's heterogeneous
+  stacks (`mlp_only_layers`, `decoder_sparse_step` > 1: some layers dense) are refused, naming
+  the field: the layers are one stacked scan of identical layers.
+* `moe_weights(...)`: Llama's name table with the feed-forward entries replaced by the router,
+  one entry per expert and projection (per-expert tensors, as `save_pretrained` writes them) and
+  the shared expert. `fused_expert_weights(...)`: the same table for transformers 5's fused
+  `experts.gate_up_proj [E, 2F, D]` / `experts.down_proj [E, D, F]` (`save_original_format=False`),
+  a variant the loader picks when the checkpoint holds those names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+
+from tp_jax.models.config import REQUIRED, UnsupportedConfigError
+from tp_jax.models.decoder import FEED_FORWARDS, DecoderConfig
+from tp_jax.models.llama import llama_weights
+from tp_jax.parallel.layers import Entry, WeightTable
+from tp_jax.parallel.layers.moe import DISPATCHES, FusedMoE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig(DecoderConfig):
+    """DecoderConfig plus a routed-experts feed-forward.
+
+    Args (besides DecoderConfig's): num_experts E, num_experts_per_tok k, moe_intermediate_size
+    (one expert's width), norm_topk_prob (renormalize the top-k weights), shared_expert_intermediate_size
+    (a sigmoid-gated shared expert, Qwen2-MoE; None: none), enable_expert_parallel (whole experts on
+    the dp x tp devices), data_parallel_size (the mesh's dp, set by the loader), moe_dispatch
+    ("auto", "gather", "ragged").
+    """
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int | None = None
+    enable_expert_parallel: bool = False
+    data_parallel_size: int = 1
+    moe_dispatch: str = "auto"
+    feed_forward: str = "moe"
+
+    def __post_init__(self):
+        super().__post_init__()
+        name = type(self).__name__
+        for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "data_parallel_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: {field}={value!r} must be a positive integer.")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"{name}: num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts="
+                             f"{self.num_experts}.")
+        if self.moe_dispatch not in DISPATCHES:
+            raise ValueError(f"{name}: moe_dispatch={self.moe_dispatch!r}; choose one of {DISPATCHES}")
+
+
+def make_moe(cfg: MoEConfig, tp: int, dtype, rngs: nnx.Rngs) -> FusedMoE:
+    return FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                    renormalize=cfg.norm_topk_prob, shared_intermediate_size=cfg.shared_expert_intermediate_size,
+                    tp_size=tp, dp_size=cfg.data_parallel_size, expert_parallel=cfg.enable_expert_parallel,
+                    dispatch=cfg.moe_dispatch, dtype=dtype, rngs=rngs)
+
+
+FEED_FORWARDS["moe"] = make_moe
+
+# Read by transformers only for the training loss or in training mode: accepted, never used.
+TRAINING_ONLY_MOE = {"output_router_logits": False, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}
+# Qwen: which layers are sparse (HF: layer i is MoE iff i not in mlp_only_layers and (i + 1) % step == 0).
+SPARSE_LAYER_FIELDS = {"decoder_sparse_step": 1, "mlp_only_layers": None}
+
+
+def moe_fields(experts: str, *, qwen: bool = False, shared: bool = False, sparse_layers: bool = False) -> dict:
+    """The HF fields an MoE architecture reads besides Llama's. `experts`: the expert-count field as
+    the config object stores it (Qwen3-MoE maps config.json's `num_experts` to `num_local_experts`,
+    so it is checked in `moe_extend`, not as REQUIRED); `qwen`: `moe_intermediate_size` and
+    `norm_topk_prob` (Mixtral: experts are `intermediate_size` wide, always renormalized)."""
+    fields = {experts: None, "num_experts_per_tok": REQUIRED, **TRAINING_ONLY_MOE}
+    if qwen:
+        fields.update(moe_intermediate_size=REQUIRED, norm_topk_prob=False)
+    if shared:
+        fields["shared_expert_intermediate_size"] = REQUIRED
+    if sparse_layers:
+        fields.update(SPARSE_LAYER_FIELDS)
+    return fields
+
+
+def moe_extend(experts: str, *, renormalize: bool | None = None, shared: bool = False):
+    """`extend` for `llama_config`: (MoEConfig, its MoE arguments) from the read fields."""
+    def extend(f: dict, arch: str):
+        _refuse_dense_layers(f, arch)
+        if not f[experts]:
+            raise UnsupportedConfigError(f"the config of {arch} lacks the expert count ({experts!r}: "
+                                         f"config.json's num_experts / num_local_experts)")
+        return MoEConfig, dict(
+            num_experts=int(f[experts]), num_experts_per_tok=int(f["num_experts_per_tok"]),
+            moe_intermediate_size=int(f.get("moe_intermediate_size") or f["intermediate_size"]),
+            norm_topk_prob=bool(f["norm_topk_prob"]) if renormalize is None else renormalize,
+            shared_expert_intermediate_size=int(f["shared_expert_intermediate_size"]) if shared else None)
+    return extend
+
+
+def _refuse_dense_layers(f: dict, arch: str) -> None:
+    step, dense = int(f.get("decoder_sparse_step") or 1), list(f.get("mlp_only_layers") or [])
+    n = f["num_hidden_layers"]
+    if step != 1:
+        raise UnsupportedConfigError(
+            f"config field decoder_sparse_step={step} makes only every {step}th layer of {arch} an MoE layer and "
+            f"the others dense; tp_jax runs one stack of identical layers. Use a checkpoint with "
+            f"decoder_sparse_step=1 (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen2-57B-A14B have it)")
+    if dense:
+        raise UnsupportedConfigError(
+            f"config field mlp_only_layers={dense} makes layers {dense} of {arch} dense ({n} layers); tp_jax runs "
+            f"one stack of identical MoE layers. Use a checkpoint with mlp_only_layers=[]")
+
+
+def moe_weights(cfg: MoEConfig, *, prefix: str = "mlp", names=("gate_proj", "up_proj", "down_proj"),
+                router: str = "gate") -> WeightTable:
+    """Llama's table with the MLP entries replaced by the router, per-expert tensors and the shared expert.
+
+    `prefix`: the HF module of the block ("mlp"; Mixtral: "block_sparse_moe"); `names`: the gate,
+    up and down projections of an expert (Mixtral: w1, w3, w2)."""
+    base = llama_weights(cfg)
+    hf, ours = f"model.layers.{{i}}.{prefix}", "model.layers.layers.mlp"
+    entries = [e for e in base.entries if not e.param.startswith(ours + ".")]
+    entries.append(Entry(f"{hf}.{router}.weight", f"{ours}.gate.kernel", "weight"))
+    for e in range(cfg.num_experts):
+        for part, name in zip(("gate", "up", "down"), names):
+            param = "down" if part == "down" else "gate_up"
+            entries.append(Entry(f"{hf}.experts.{e}.{name}.weight", f"{ours}.experts.{param}", f"{part}.{e}"))
+    entries += _shared_entries(cfg, hf, ours)
+    return WeightTable(entries, base.ignored, variants=(fused_expert_weights(cfg, entries, prefix),))
+
+
+def _shared_entries(cfg: MoEConfig, hf: str, ours: str) -> list[Entry]:
+    if not cfg.shared_expert_intermediate_size:
+        return []
+    s = f"{hf}.shared_expert"
+    return [Entry(f"{s}.gate_proj.weight", f"{ours}.shared_expert.gate_up_proj.kernel", "0"),
+            Entry(f"{s}.up_proj.weight", f"{ours}.shared_expert.gate_up_proj.kernel", "1"),
+            Entry(f"{s}.down_proj.weight", f"{ours}.shared_expert.down_proj.kernel", "weight"),
+            Entry(f"{hf}_gate.weight", f"{ours}.shared_expert_gate.kernel", "weight")]
+
+
+def fused_expert_weights(cfg: MoEConfig, entries: list[Entry], prefix: str) -> WeightTable:
+    """The per-expert table rewritten for transformers 5's fused tensors under `mlp.experts` (every model)."""
+    hf, ours, f = "model.layers.{i}.mlp", "model.layers.layers.mlp", cfg.moe_intermediate_size
+    old = f"model.layers.{{i}}.{prefix}."
+    out = [dataclasses.replace(e, hf=hf + "." + e.hf[len(old):]) if e.hf.startswith(old) else e
+           for e in entries if ".experts." not in e.hf]
+    for e in range(cfg.num_experts):
+        out += [Entry(f"{hf}.experts.gate_up_proj", f"{ours}.experts.gate_up", f"gate.{e}", index=e, offset=0),
+                Entry(f"{hf}.experts.gate_up_proj", f"{ours}.experts.gate_up", f"up.{e}", index=e, offset=f),
+                Entry(f"{hf}.experts.down_proj", f"{ours}.experts.down", f"down.{e}", index=e)]
+    return WeightTable(out, llama_weights(cfg).ignored)
+
+
+__all__ = ["MoEConfig", "make_moe", "moe_fields", "moe_extend", "moe_weights", "fused_expert_weights"]

@@ -1,0 +1,102 @@
+"""Mixtral, Qwen2-MoE and Qwen3-MoE vs transformers: logits and greedy tokens, EP on and off, over (dp, pp, tp).
+
+One tiny random checkpoint per model (2 layers, odd expert counts, top-2 / top-3, a shared
+expert), written by transformers in its default per-expert layout; Qwen3-MoE also in the fused
+layout (`save_original_format=False`). A few meshes run by default, every factorization of 8
+devices is `slow`. Plus the config refusals for layers HF makes dense.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import logits_and_greedy, randomize
+from tp_jax.models.config import UnsupportedConfigError, config_from_hf
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
+
+BASE = dict(vocab_size=300, hidden_size=32, intermediate_size=16, num_hidden_layers=2, rms_norm_eps=1e-5,
+            max_position_embeddings=128, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.3,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+VARIANTS = {
+    "mixtral": ("MixtralConfig", dict(num_local_experts=5, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=8,
+                                         shared_expert_intermediate_size=24, norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8,
+                                         norm_topk_prob=True)),
+}
+PROMPTS = [[7, 8, 9, 10, 11, 12, 13], [5, 17, 200, 42, 9], [299, 3, 77, 150]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+FACTORIZATIONS = [(dp, pp, 8 // (dp * pp)) for dp in (1, 2, 4, 8) for pp in (1, 2, 4, 8) if 8 % (dp * pp) == 0]
+QUICK = {(2, 2, 2), (1, 1, 8)}
+
+
+def hf_config(name: str):
+    import transformers
+    cls, over = VARIANTS[name]
+    return getattr(transformers, cls)(**{**BASE, **over, "architectures": [cls.replace("Config", "ForCausalLM")]})
+
+
+@pytest.fixture(scope="session")
+def moe_references(tmp_path_factory):
+    import torch
+    from transformers import AutoModelForCausalLM
+    root, out = str(tmp_path_factory.mktemp("moe")), {}
+    ids = np.random.default_rng(0).integers(0, BASE["vocab_size"], size=(8, 9))
+    for name in VARIANTS:
+        torch.manual_seed(sum(map(ord, name)))
+        model = randomize(AutoModelForCausalLM.from_config(hf_config(name)).eval())
+        path = os.path.join(root, name)
+        model.save_pretrained(path, safe_serialization=True)
+        if name == "qwen3_moe":
+            model.save_pretrained(path + "_fused", safe_serialization=True, save_original_format=False)
+        out[name] = (path, ids, *logits_and_greedy(model, ids, PROMPTS, max_new_tokens=8))
+    return out
+
+
+def check(refs, name, dp, pp, tp, ep, path=None):
+    ckpt, ids, logits, greedy = refs[name]
+    llm = LLM(path or ckpt, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+              enable_expert_parallel=ep, progress=False, compile_cache=False)
+    assert llm.config.enable_expert_parallel is ep
+    diff = float(np.abs(llm.get_logits(ids) - logits).max())
+    assert diff <= 1e-4, f"{name} dp={dp} pp={pp} tp={tp} ep={ep}: max abs logit diff {diff:.2e}"
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
+
+
+MESHES = [pytest.param(m, marks=() if m in QUICK else pytest.mark.slow, id="dp{}pp{}tp{}".format(*m))
+          for m in FACTORIZATIONS]
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp_layout", "ep"])
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_moe_models_match_transformers(moe_references, name, mesh, ep):
+    if not ep and VARIANTS[name][1].get("moe_intermediate_size", BASE["intermediate_size"]) % mesh[2]:
+        pytest.skip("the TP layout needs tp | moe_intermediate_size (refusal tested below)")
+    check(moe_references, name, *mesh, ep)
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp_layout", "ep"])
+def test_fused_expert_checkpoint(moe_references, ep):
+    """transformers 5's fused `experts.gate_up_proj [E, 2F, D]` / `down_proj [E, D, F]` load the same."""
+    check(moe_references, "qwen3_moe", 2, 1, 4, ep, path=moe_references["qwen3_moe"][0] + "_fused")
+
+
+@pytest.mark.parametrize("field,value", [("mlp_only_layers", [1]), ("decoder_sparse_step", 2)])
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
+def test_dense_layers_are_refused_by_name(name, field, value):
+    cfg = hf_config(name)
+    setattr(cfg, field, value)
+    with pytest.raises(UnsupportedConfigError, match=rf"config field {field}="):
+        config_from_hf(cfg)
+
+
+def test_moe_config_fields():
+    cfg = config_from_hf(hf_config("qwen2_moe"))
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob,
+            cfg.shared_expert_intermediate_size, cfg.qkv_bias, cfg.o_bias) == (7, 3, 8, False, 24, True, False)
+    cfg = config_from_hf(hf_config("mixtral"))
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.feed_forward) == (5, 16, True, "moe")

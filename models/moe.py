@@ -146,7 +146,7 @@ def _shared_entries(cfg: MoEConfig, hf: str, ours: str) -> list[Entry]:
     return [Entry(f"{s}.gate_proj.weight", f"{ours}.shared_expert.gate_up_proj.kernel", "0"),
             Entry(f"{s}.up_proj.weight", f"{ours}.shared_expert.gate_up_proj.kernel", "1"),
             Entry(f"{s}.down_proj.weight", f"{ours}.shared_expert.down_proj.kernel", "weight"),
-            Entry(f"{hf}_gate.weight", f"{ours}.shared_expert_gate.kernel", "weight")]
+            Entry(f"{s}_gate.weight", f"{ours}.shared_expert_gate.kernel", "weight")]
 
 
 def fused_expert_weights(cfg: MoEConfig, entries: list[Entry], prefix: str) -> WeightTable:

@@ -75,7 +75,7 @@ def param_bytes_per_device(model: nnx.Module, mesh: Mesh) -> int:
     total = 0
     for key, var in nnx.to_flat_state(state):
         x, spec = var.get_value(), specs[key].get_value()
-        shards = math.prod(mesh.shape[a] for a in spec if a is not None)
+        shards = math.prod(mesh.shape[a] for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,)))
         total += math.prod(x.shape) // shards * jnp.dtype(x.dtype).itemsize
     return total
 

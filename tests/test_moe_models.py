@@ -100,3 +100,39 @@ def test_moe_config_fields():
             cfg.shared_expert_intermediate_size, cfg.qkv_bias, cfg.o_bias) == (7, 3, 8, False, 24, True, False)
     cfg = config_from_hf(hf_config("mixtral"))
     assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.feed_forward) == (5, 16, True, "moe")
+
+
+# --- the published configs, real size, built abstractly at tp = 8 with expert parallelism --------
+
+@pytest.mark.parametrize("name", ["Mixtral-8x7B-v0.1", "Qwen3-30B-A3B", "Qwen3-235B-A22B"])
+def test_published_moe_config_at_tp8_with_ep(name, tmp_path):
+    """Accepted; with EP each device holds 1/8 of the experts: params per device ~ total / 8 (bf16), and the
+    KV pool at a 1 GiB budget has budget // (2 x layers x 16 tokens x kv heads per device x head_dim x 2 B) blocks."""
+    import dataclasses
+    import json
+    import torch
+    import jax
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from tests.test_real_configs import CONFIG_DIR
+    from tp_jax.loaders.model import abstract_model, param_bytes_per_device
+    from tp_jax.models.config import load_config
+    from tp_jax.parallel.mesh import make_mesh
+    from tp_jax.serving.kv_pool import plan_pool
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(open(os.path.join(CONFIG_DIR, name + ".json")).read())
+    cfg = dataclasses.replace(load_config(str(path)), enable_expert_parallel=True)
+    with torch.device("meta"):
+        total = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path))).parameters())
+    mesh = make_mesh(tp=8)
+    model = abstract_model(cfg, mesh, dtype=jax.numpy.bfloat16)
+    per_device = param_bytes_per_device(model, mesh)
+    assert per_device == pytest.approx(total * 2 / 8, rel=0.02), (per_device, total)
+    assert model.model.layers.layers.mlp.experts.gate_up.get_value().shape[1] == cfg.num_experts
+    budget = 2**30
+    pool = plan_pool(model.kv_layout(), mesh, block_size=16, max_model_len=4096, max_num_seqs=64,
+                     kv_cache_memory_bytes=budget)
+    kv_local = max(1, cfg.num_kv_heads // 8)              # KV heads replicated when tp exceeds them
+    per_block = 2 * cfg.num_layers * 16 * kv_local * cfg.head_dim * 2
+    assert pool.num_blocks == min(budget // per_block, 64 * 4096 // 16)
+    print(json.dumps({"model": name, "params": total, "bytes_per_device": per_device, "kv_blocks": pool.num_blocks}))

@@ -100,7 +100,7 @@ MESHES = [(2, 2), (1, 8)] + [pytest.param(*m, marks=pytest.mark.slow) for m in [
 def test_block_matches_transformers(reference, dp, tp, ep):
     kind, cfg, tensors, x, want = reference
     mesh = mesh_for(dp, 1, tp)
-    for dispatch in ("gather", "ragged"):
+    for dispatch in ("gather", "ragged", "dense"):
         block = build(kind, cfg, mesh, ep, dispatch)
         fill(block, tensors, mesh)
         got = shard_module(block, mesh, in_specs=(P("dp"),), out_specs=P("dp"))(x)

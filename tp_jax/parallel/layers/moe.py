@@ -20,8 +20,12 @@ Dispatch (local): assignments (token, choice) are either
 * "gather": each assignment multiplies its expert's weight gathered by index, `[A, D, 2F]`
   (reads only the routed experts: decode, where assignments <= local experts), or
 * "ragged": assignments sorted by expert, one `jax.lax.ragged_dot` per projection (XLA's grouped
-  GEMM on GPU/TPU; on CPU jax lowers it to a dense masked dot over the local experts).
-"auto" takes gather when the step's assignments are at most the local experts, ragged otherwise.
+  GEMM on GPU/TPU; on CPU jax lowers it to a masked dot over every group, measured 10-30x slower
+  than the others by scripts/bench_moe.py), or
+* "dense": every local expert on every token as batched GEMMs, weighted by the routing matrix
+  (zero where not routed): each local weight read once; for large steps on CPU.
+"auto": gather when the step's assignments are at most the local experts (decode: cost follows
+the routed experts, not the total), else dense on CPU and ragged elsewhere.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from tp_jax.parallel.layers.loading import ExpertParam, PartRows, contiguous_row
 from tp_jax.parallel.layers.method import Unquantized
 from tp_jax.parallel.mesh import DP, TP
 
-DISPATCHES = ("auto", "gather", "ragged")
+DISPATCHES = ("auto", "gather", "ragged", "dense")
 
 
 def expert_slots(num_experts: int, ep: int) -> np.ndarray:
@@ -130,8 +134,9 @@ class Experts(ParallelModule):
         slot, held = self.local_slot(experts.reshape(-1))
         w = jnp.where(held, weights.reshape(-1), 0.0)
         if dispatch == "auto":
-            dispatch = "gather" if m * k <= self.local_experts else "ragged"
-        run = self._gather if dispatch == "gather" else self._ragged
+            dispatch = "gather" if m * k <= self.local_experts else \
+                "dense" if jax.default_backend() == "cpu" else "ragged"
+        run = {"gather": self._gather, "ragged": self._ragged, "dense": self._dense}[dispatch]
         return run(x, slot, held, w, k)
 
     def _swiglu(self, h: jax.Array) -> jax.Array:
@@ -143,6 +148,15 @@ class Experts(ParallelModule):
         h = jnp.einsum("ad,adf->af", xs, self.gate_up[...][slot], preferred_element_type=jnp.float32)
         o = jnp.einsum("af,afd->ad", self._swiglu(h), self.down[...][slot], preferred_element_type=jnp.float32)
         return (o * w[:, None]).reshape(-1, k, o.shape[-1]).sum(axis=1)
+
+    def _dense(self, x, slot, held, w, k):
+        """Every local expert on every token, weighted by a [M, E_local] routing matrix (zero where not
+        routed): one read of the local weights as batched GEMMs, for large steps on CPU."""
+        m = x.shape[0]
+        route = jnp.zeros((m, self.local_experts), jnp.float32).at[jnp.repeat(jnp.arange(m), k), slot].add(w)
+        h = jnp.einsum("md,edf->emf", x, self.gate_up[...], preferred_element_type=jnp.float32)
+        o = jnp.einsum("emf,efd->emd", self._swiglu(h), self.down[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("emd,me->md", o, route)
 
     def _ragged(self, x, slot, held, w, k):
         key = jnp.where(held, slot, self.local_experts)                         # not held: after every group

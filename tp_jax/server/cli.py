@@ -45,6 +45,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "docs/quantization.md")
     ap.add_argument("--unroll-layers", action="store_true",
                     help="one array per layer, layers unrolled: faster decode on CPU, ~10x compile time per shape")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="MoE models: whole experts on the dp x tp devices of each stage (default: each expert "
+                         "split over tp)")
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not read or write JAX's compilation cache (default ~/.cache/tp_jax/xla, "
                          "or env TP_JAX_COMPILE_CACHE)")

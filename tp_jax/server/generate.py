@@ -78,7 +78,7 @@ def run(args) -> int:
     llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
               dtype=args.dtype, max_model_len=args.max_model_len, progress=is_driver(),
               compile_cache=not args.no_compile_cache, quantization=args.quantization,
-              unroll_layers=args.unroll_layers)
+              unroll_layers=args.unroll_layers, enable_expert_parallel=args.enable_expert_parallel)
     stats.load_s = time.perf_counter() - t
     prompts = texts
     if args.chat:

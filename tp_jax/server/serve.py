@@ -122,7 +122,8 @@ def run(args) -> int:
                   dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, num_gpu_blocks=args.num_gpu_blocks,
                   seed=args.seed, progress=is_driver(), compile_cache=not args.no_compile_cache,
-                  quantization=args.quantization, unroll_layers=args.unroll_layers)
+                  quantization=args.quantization, unroll_layers=args.unroll_layers,
+                  enable_expert_parallel=args.enable_expert_parallel)
         engine = llm.engine
         if not is_driver():
             log.info("process %d (pid %d): following process 0's engine steps", process_index(), os.getpid())

@@ -136,3 +136,22 @@ def test_published_moe_config_at_tp8_with_ep(name, tmp_path):
     per_block = 2 * cfg.num_layers * 16 * kv_local * cfg.head_dim * 2
     assert pool.num_blocks == min(budget // per_block, 64 * 4096 // 16)
     print(json.dumps({"model": name, "params": total, "bytes_per_device": per_device, "kv_blocks": pool.num_blocks}))
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp_layout", "ep"])
+def test_orbax_convert_and_restore(moe_references, tmp_path, ep):
+    """An MoE checkpoint converted to Orbax restores with the same logits, in either layout."""
+    from tp_jax.loaders.orbax import convert_to_orbax
+    out = str(tmp_path / "orbax")
+    convert_to_orbax(moe_references["qwen2_moe"][0], out)
+    check(moe_references, "qwen2_moe", 2, 1, 4, ep, path=out)
+
+
+def test_int8_quantization(moe_references):
+    """quantization='int8': the linear layers quantized (the experts stay float); logits near the float run."""
+    ckpt, ids, logits, _ = moe_references["mixtral"]
+    llm = LLM(ckpt, tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True, quantization="int8",
+              progress=False, compile_cache=False)
+    assert "int8" in str(llm.quantization)
+    diff = float(np.abs(llm.get_logits(ids) - logits).max())
+    assert 0 < diff < 0.05 * float(np.abs(logits).max()), diff

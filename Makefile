@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+# test processes (pytest-xdist); each file runs whole in one of them, so module fixtures load once
+TEST_WORKERS ?= 2
 STAMP  := $(VENV)/.installed
 
 .PHONY: generate demo test test-fast clean
@@ -21,10 +23,10 @@ generate: $(STAMP)
 	$(PY) scripts/generate.py --simulate-devices 8 --tp 8 --prompt "Once upon a time" --max-tokens 32
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 clean:
 	rm -rf $(VENV) *.egg-info

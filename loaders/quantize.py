@@ -48,9 +48,11 @@ def plan_methods(model: nnx.Module, table: WeightTable | Sequence[Entry], source
 
 
 def _weight_bindings(model, table) -> list[Binding]:
-    """The bindings of the weights a method holds (a MethodLayer's weight param, one per layer)."""
+    """The bindings of the weights a method holds (a MethodLayer's weight param, one per layer); a layer
+    marked `keep_float` (an MoE router: int8 logits would change which experts run) stays float."""
     return [b for b in bind(model, as_table(table))
-            if isinstance(b.module, MethodLayer) and b.name == b.module.weight_name]
+            if isinstance(b.module, MethodLayer) and b.name == b.module.weight_name
+            and not getattr(b.module, "keep_float", False)]
 
 
 def _tensors(b: Binding, source, num_layers: int) -> dict:

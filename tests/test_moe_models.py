@@ -148,10 +148,14 @@ def test_orbax_convert_and_restore(moe_references, tmp_path, ep):
 
 
 def test_int8_quantization(moe_references):
-    """quantization='int8': the linear layers quantized (the experts stay float); logits near the float run."""
+    """quantization='int8': attention and the head in int8, the router float (a quantized logit can change
+    which experts run), the experts float (not yet quantized); the top-1 token mostly unchanged."""
+    from tp_jax.parallel.layers import Int8, Unquantized
     ckpt, ids, logits, _ = moe_references["mixtral"]
     llm = LLM(ckpt, tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True, quantization="int8",
               progress=False, compile_cache=False)
-    assert "int8" in str(llm.quantization)
-    diff = float(np.abs(llm.get_logits(ids) - logits).max())
-    assert 0 < diff < 0.05 * float(np.abs(logits).max()), diff
+    layer = llm.model.model.layers.layers
+    assert isinstance(layer.self_attn.qkv_proj.method, Int8) and isinstance(layer.mlp.gate.method, Unquantized)
+    got = llm.get_logits(ids)
+    assert float(np.abs(got - logits).max()) > 0
+    assert (got.argmax(-1) == logits.argmax(-1)).mean() >= 0.85

@@ -171,6 +171,12 @@ class Experts(ParallelModule):
         return jnp.zeros((x.shape[0], o.shape[-1]), jnp.float32).at[tok].add(o)
 
 
+class Router(ReplicatedLinear):
+    """The router W_r[E, D], replicated; `keep_float`: quantization leaves it float (as vLLM builds its gate
+    without a quant config), since a quantized logit can change which experts run."""
+    keep_float = True
+
+
 class FusedMoE(nnx.Module):
     """The MoE feed-forward block: router, top-k, experts (+ an optional gated shared expert).
 
@@ -198,7 +204,7 @@ class FusedMoE(nnx.Module):
             raise ValueError(f"{name}: dispatch={dispatch!r}; choose one of {DISPATCHES}.")
         self.num_experts, self.top_k, self.renormalize, self.dispatch = num_experts, top_k, renormalize, dispatch
         self.tp_size, self.dp_size, self.expert_parallel = tp_size, dp_size, expert_parallel
-        self.gate = ReplicatedLinear(hidden_size, num_experts, tp_size=tp_size, bias=False, dtype=dtype, rngs=rngs)
+        self.gate = Router(hidden_size, num_experts, tp_size=tp_size, bias=False, dtype=dtype, rngs=rngs)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, tp_size=tp_size,
                                ep_size=dp_size * tp_size if expert_parallel else None, dtype=dtype, rngs=rngs)
         shared = gate = None

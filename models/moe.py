@@ -63,6 +63,8 @@ class MoEConfig(DecoderConfig):
 
 
 def make_moe(cfg: MoEConfig, tp: int, dtype, rngs: nnx.Rngs) -> FusedMoE:
+    if not isinstance(cfg, MoEConfig):
+        raise ValueError(f"feed_forward='moe' needs an MoEConfig (experts, top-k, widths); got {type(cfg).__name__}")
     return FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                     renormalize=cfg.norm_topk_prob, shared_intermediate_size=cfg.shared_expert_intermediate_size,
                     tp_size=tp, dp_size=cfg.data_parallel_size, expert_parallel=cfg.enable_expert_parallel,

@@ -143,8 +143,8 @@ def test_the_config_chooses_the_parts():
         assert (model.model.embed_positions is not None) == (name == "gpt2") == (attn.freq is None), name
         assert isinstance(model.model.norm, LayerNorm) == (name == "gpt2") == hasattr(mlp, "up_proj"), name
     assert built["mistral"].model.layers.layers.self_attn.window == WINDOW
-    with pytest.raises(ValueError, match=r"feed_forward='moe'; choose one of \['dense'\]"):
-        dataclasses.replace(config_from_hf(hf_config("qwen2")), feed_forward="moe")
+    with pytest.raises(ValueError, match=r"feed_forward='mamba'; choose one of \['dense', 'moe'\]"):
+        dataclasses.replace(config_from_hf(hf_config("qwen2")), feed_forward="mamba")
     assert isinstance(config_from_hf(gpt2), DecoderConfig)
 
 

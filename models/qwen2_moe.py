@@ -6,8 +6,6 @@ refused by the config map (models/moe.py).
 
 from __future__ import annotations
 
-import functools
-
 from tp_jax.models.causal_lm import CausalLM
 from tp_jax.models.llama import llama_config
 from tp_jax.models.moe import moe_extend, moe_fields, moe_weights
@@ -19,9 +17,11 @@ class Qwen2MoeForCausalLM(CausalLM):
 
 
 def qwen2_moe_config(hf, raw=None):
+    """Qwen2's attention fields, the MoE fields with a shared expert, `qkv_bias` (default True)."""
     qkv_bias = bool(getattr(hf, "qkv_bias", True))
     return llama_config(hf, raw, window="per_layer", qkv_bias=qkv_bias, o_bias=False,
-                        extra_fields={**moe_fields("num_experts", qwen=True, shared=True, sparse_layers=True), "qkv_bias": True},
+                        extra_fields={**moe_fields("num_experts", qwen=True, shared=True, sparse_layers=True),
+                                      "qkv_bias": True},
                         extend=moe_extend("num_experts", shared=True))
 
 

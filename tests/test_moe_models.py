@@ -124,7 +124,8 @@ def test_published_moe_config_at_tp8_with_ep(name, tmp_path):
     (path / "config.json").write_text(open(os.path.join(CONFIG_DIR, name + ".json")).read())
     cfg = dataclasses.replace(load_config(str(path)), enable_expert_parallel=True)
     with torch.device("meta"):
-        total = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path))).parameters())
+        hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
+        total = sum(p.numel() for p in hf_model.parameters())
     mesh = make_mesh(tp=8)
     model = abstract_model(cfg, mesh, dtype=jax.numpy.bfloat16)
     per_device = param_bytes_per_device(model, mesh)

@@ -11,10 +11,11 @@ from tp_jax.parallel.layers.ggml import GGUFBlocks
 from tp_jax.parallel.layers.int8 import Int8
 from tp_jax.parallel.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
                                            RowParallelLinear)
-from tp_jax.parallel.layers.loading import (LazyTensor, PartRows, ShardedParam, WeightShapeError, contiguous_rows,
+from tp_jax.parallel.layers.loading import (ExpertParam, LazyTensor, PartRows, ShardedParam, WeightShapeError, contiguous_rows,
                                             expand_heads, replicated_rows)
 from tp_jax.parallel.layers.method import (Bfloat16, DerivedParam, LinearMethod, QuantizationError, Unquantized,
                                            UnsupportedLayerError, WeightParam)
+from tp_jax.parallel.layers.moe import Experts, FusedMoE, expert_slots
 from tp_jax.parallel.layers.norm import LayerNorm, RMSNorm
 from tp_jax.parallel.layers.quantization import (QuantizationConfig, apply_methods, quantization_config,
                                                  register_quantization)
@@ -30,4 +31,4 @@ __all__ = ["ParallelModule", "ReplicatedLinear", "ColumnParallelLinear", "Merged
            "contiguous_rows", "replicated_rows", "expand_heads", "Entry", "WeightTable",
            "MethodLayer", "LinearMethod", "Unquantized", "Bfloat16", "Int8", "GGUFBlocks", "DerivedParam", "WeightParam",
            "QuantizationError", "UnsupportedLayerError", "QuantizationConfig", "quantization_config",
-           "register_quantization", "apply_methods"]
+           "register_quantization", "apply_methods", "FusedMoE", "Experts", "expert_slots", "ExpertParam"]

@@ -28,7 +28,7 @@ def split_prompts(prompts) -> list:
         if prompts.ndim not in (1, 2):
             raise ValueError(f"generate: a token-id array must be 1-D (one prompt) or 2-D (one per row), "
                              f"got shape {prompts.shape}")
-        return [prompts] if prompts.ndim == 1 else list(prompts)
+        prompts = [prompts] if prompts.ndim == 1 else list(prompts)
     try:
         prompts = list(prompts)
     except TypeError:

@@ -57,9 +57,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-gpu-blocks", type=int, default=None, help="KV cache blocks per dp replica "
                     "(default: from the memory budget)")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache bytes per device "
-                    "(instead of --gpu-memory-utilization)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of device memory the "
-                    "weights and KV cache may use")
+                    "(instead of a fraction of device memory)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="accelerators: the fraction of each "
+                    "device's memory in use once the KV pool is allocated")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV blocks of shared prompt prefixes")
     ap.add_argument("--num-microbatches", type=int, default=None, help="pipeline micro-batches per dp replica "

@@ -36,11 +36,6 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and str(path).lower().endswith(".gguf")
 
 
-def open_source(path: str):
-    """The tensor source of `path` (no config): for converters that copy tensors."""
-    return open_checkpoint(path, config=False).source
-
-
 def open_checkpoint(path: str, *, config: bool = True) -> Checkpoint:
     """The source and model config of a `.gguf` file, an Orbax directory or a safetensors directory."""
     path = str(path)

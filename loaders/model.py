@@ -14,7 +14,6 @@ from jax.sharding import Mesh
 from tp_jax.loaders.bind import bind
 from tp_jax.loaders.place import fill, load_state
 from tp_jax.loaders.quantize import plan_methods
-from tp_jax.loaders.sources import open_checkpoint
 from tp_jax.models.config import ModelConfig
 from tp_jax.models.registry import architecture, check_instance
 from tp_jax.parallel.layers import LinearMethod, apply_methods
@@ -96,14 +95,4 @@ def tensor_split_dims(cfg: ModelConfig) -> dict[str, int | None]:
     return out
 
 
-def load_model(path: str, mesh: Mesh, dtype=jnp.float32, progress: bool = True, *, check_weights: bool = True,
-               quantization: str | None = None):
-    """(model, config) for a checkpoint path (`.gguf`, Orbax or safetensors directory) on `mesh`."""
-    ckpt = open_checkpoint(path)
-    model = load_from_source(ckpt.config, ckpt.source, mesh, dtype, progress, check_weights=check_weights,
-                             quantization=quantization)
-    return model, ckpt.config
-
-
-__all__ = ["abstract_model", "load_from_source", "load_model", "open_checkpoint", "tensor_split_dims",
-           "param_bytes_per_device"]
+__all__ = ["abstract_model", "load_from_source", "tensor_split_dims", "param_bytes_per_device"]

@@ -31,20 +31,20 @@ flight, so memory stays near one tensor whatever the model size.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
+import shutil
 
 import numpy as np
 
+from tp_jax.loaders.convert import write_config_and_tokenizer
 from tp_jax.loaders.dtypes import BY_NAME, FLOATS
-from tp_jax.loaders.sources import ORBAX_SUBDIR, interrupted_orbax, is_orbax_dir, open_checkpoint
+from tp_jax.loaders.model import tensor_split_dims
+from tp_jax.loaders.orbax_source import (ORBAX_SUBDIR, OrbaxCheckpointError, OrbaxSource, OrbaxTensor,
+                                         interrupted_orbax, is_orbax_dir)
+from tp_jax.loaders.sources import open_checkpoint
 
 CHUNK = 64
 WRITE_WINDOW_BYTES = 64 * 2**20     # bytes in flight: OCDBT writes one at a time crawl (~45 MB/s)
-
-
-class OrbaxCheckpointError(ValueError):
-    """An Orbax checkpoint directory that is missing, incomplete or not in our layout."""
 
 
 def chunk_shape(shape: tuple[int, ...], split: int | None) -> tuple[int, ...]:
@@ -176,9 +176,6 @@ def convert_to_orbax(src: str, out_dir: str, dtype: str | None = None, overwrite
 
     Returns the path of the Orbax checkpoint (`out_dir/orbax`).
     """
-    import shutil
-    from tp_jax.loaders.convert import write_config_and_tokenizer
-    from tp_jax.loaders.model import tensor_split_dims
     if os.path.abspath(src) == os.path.abspath(out_dir):
         raise ValueError(f"convert_to_orbax: source and output are the same directory {out_dir!r}; "
                          f"write to a new directory")
@@ -197,104 +194,6 @@ def convert_to_orbax(src: str, out_dir: str, dtype: str | None = None, overwrite
             shutil.rmtree(left, ignore_errors=True)
         raise
     return ckpt
-
-
-# --- reading -------------------------------------------------------------------------------
-
-class OrbaxTensor:
-    """One tensor of an Orbax checkpoint: `.shape`, `.dtype`, and `[index]` reading only that slice."""
-
-    def __init__(self, source: OrbaxSource, name: str, shape: tuple[int, ...], dtype: np.dtype):
-        self._source, self.name, self.shape, self.dtype = source, name, shape, dtype
-        self.ndim = len(shape)
-
-    def __repr__(self) -> str:
-        return f"OrbaxTensor({self.name!r}, shape={self.shape}, dtype={self.dtype})"
-
-    @functools.cached_property
-    def _store(self):
-        return self._source._open(self.name)
-
-    def __getitem__(self, index) -> np.ndarray:
-        return self._store[index].read().result()
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        full = self[...]
-        return full if dtype is None else full.astype(dtype)
-
-
-class OrbaxSource:
-    """The tensors of `model_dir/orbax` (written by `convert_to_orbax`) as a lazy name -> tensor table."""
-
-    def __init__(self, model_dir: str):
-        import orbax.checkpoint as ocp
-        self.model_dir = model_dir
-        self.ckpt_dir = os.path.abspath(os.path.join(model_dir, ORBAX_SUBDIR))
-        _check_complete(self.ckpt_dir)
-        meta = ocp.PyTreeCheckpointer().metadata(self.ckpt_dir).item_metadata
-        self._use_zarr3 = bool(getattr(meta, "use_zarr3", False))
-        self._ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(self.ckpt_dir)
-        self._context = ocp.type_handlers.get_ts_context(use_ocdbt=self._ocdbt)
-        self._tensors: dict[str, OrbaxTensor] = {}
-        self._stored: dict[str, str] = {}
-        for key, m in _flatten(meta.tree).items():
-            if not hasattr(m, "shape"):
-                continue                                 # scalars and strings carry no weights
-            self._stored[key] = m.name
-            self._tensors[key] = OrbaxTensor(self, key, tuple(m.shape), np.dtype(m.dtype))
-
-    def __repr__(self) -> str:
-        return f"OrbaxSource({self.model_dir!r}, {len(self._tensors)} tensors)"
-
-    def keys(self) -> list[str]:
-        return list(self._tensors)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._tensors
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def get(self, name: str) -> OrbaxTensor:
-        if name not in self._tensors:
-            raise KeyError(f"tensor {name!r} is missing from the Orbax checkpoint {self.ckpt_dir!r}")
-        return self._tensors[name]
-
-    def _open(self, name: str):
-        """A tensorstore handle on `name` (opening reads only its zarr metadata)."""
-        import orbax.checkpoint as ocp
-        import tensorstore as ts
-        from etils import epath
-        info = ocp.type_handlers.ParamInfo(name=self._stored[name], parent_dir=epath.Path(self.ckpt_dir),
-                                           is_ocdbt_checkpoint=self._ocdbt, use_zarr3=self._use_zarr3,
-                                           ts_context=self._context)
-        spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self._ocdbt)
-        try:
-            return ts.open(ts.Spec(spec), open=True, read=True, context=self._context).result()
-        except ValueError as e:
-            raise OrbaxCheckpointError(f"cannot read tensor {name!r} from {self.ckpt_dir}: {e}; the "
-                                       f"checkpoint is damaged, re-run scripts/convert.py SRC OUT --to orbax"
-                                       ) from e
-
-
-def _check_complete(ckpt_dir: str) -> None:
-    if not os.path.isdir(ckpt_dir):
-        raise FileNotFoundError(f"no Orbax checkpoint at {ckpt_dir}; write one with "
-                                f"`python scripts/convert.py SRC OUT --to orbax`")
-    if not os.path.isfile(os.path.join(ckpt_dir, "_METADATA")):
-        raise OrbaxCheckpointError(f"{ckpt_dir} is not a complete Orbax PyTree checkpoint (no _METADATA file; "
-                                   f"was the conversion interrupted?); delete it and re-run "
-                                   f"`python scripts/convert.py SRC OUT --to orbax`")
-
-
-def _flatten(tree, prefix: str = "") -> dict:
-    """A nested dict of leaves as {"a.b.c": leaf} (our checkpoints are already flat)."""
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out = {}
-    for k, v in tree.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
 
 
 __all__ = ["OrbaxSource", "OrbaxTensor", "OrbaxCheckpointError", "convert_to_orbax", "write_orbax",

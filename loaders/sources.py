@@ -12,13 +12,12 @@ Orbax conversion left behind is named as such, with the command that redoes it.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 
+from tp_jax.loaders.gguf import GGUFSource
+from tp_jax.loaders.orbax_source import OrbaxCheckpointError, OrbaxSource, interrupted_orbax, is_orbax_dir
+from tp_jax.loaders.safetensors import SafetensorsSource
 from tp_jax.models.config import ModelConfig, config_from_hf, load_config
-
-ORBAX_SUBDIR = "orbax"
-ORBAX_TMP = ".orbax-checkpoint-tmp"      # orbax writes `<dir>.orbax-checkpoint-tmp*` and renames it at the end
 
 
 @dataclasses.dataclass
@@ -37,41 +36,22 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and str(path).lower().endswith(".gguf")
 
 
-def is_orbax_dir(path: str) -> bool:
-    """True for a model directory holding an `orbax/` checkpoint next to its config.json."""
-    return os.path.isdir(os.path.join(path, ORBAX_SUBDIR))
-
-
-def interrupted_orbax(path: str) -> list[str]:
-    """Temporary directories an interrupted Orbax conversion left in `path`."""
-    return sorted(glob.glob(os.path.join(glob.escape(path), ORBAX_SUBDIR + ORBAX_TMP + "*")))
-
-
-def open_source(path: str):
-    """The tensor source of `path` (no config): for converters that copy tensors."""
-    return open_checkpoint(path, config=False).source
-
-
 def open_checkpoint(path: str, *, config: bool = True) -> Checkpoint:
     """The source and model config of a `.gguf` file, an Orbax directory or a safetensors directory."""
     path = str(path)
     if is_gguf(path):
-        from tp_jax.loaders.gguf import GGUFSource
         source = GGUFSource(path)
         return Checkpoint(path, source, config_from_hf(source.hf_config()) if config else None)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model {path!r} is neither a directory with config.json and *.safetensors "
                                 f"(or orbax/) nor a .gguf file")
     if is_orbax_dir(path):
-        from tp_jax.loaders.orbax import OrbaxSource
         cfg = load_config(path) if config else None
         return Checkpoint(path, OrbaxSource(path), cfg)
     left = interrupted_orbax(path)
     if left:
-        from tp_jax.loaders.orbax import OrbaxCheckpointError
         raise OrbaxCheckpointError(f"{path} holds no finished Orbax checkpoint, only {left}, left by an interrupted "
                                    f"conversion; delete it and re-run `python scripts/convert.py SRC {path} "
                                    f"--to orbax --overwrite`")
-    from tp_jax.loaders.safetensors import SafetensorsSource
     cfg = load_config(path) if config else None
     return Checkpoint(path, SafetensorsSource(path), cfg)

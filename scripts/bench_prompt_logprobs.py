@@ -49,7 +49,7 @@ def main() -> None:
     scored = best(SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=args.k))
     core = llm.engine.core
     for i in range(args.rows):                                   # a decode-only step of `rows` rows
-        core.add_request(f"d{i}", prompt[:8], SamplingParams(max_tokens=3, temperature=0.0))
+        llm.engine.add_request(f"d{i}", prompt[:8], SamplingParams(max_tokens=3, temperature=0.0))
     core.step()
     out = core.scheduler.schedule()
     batch = build_batch(out, [b.tables for b in core.scheduler.blocks], core.config.block_size, core.microbatches)

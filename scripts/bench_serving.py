@@ -84,7 +84,7 @@ def run_ours(llm, work: list[dict]) -> tuple[dict, dict]:
                 m = out.metrics
                 records[out.request_id] = {"arrival": m.arrival_time, "first": m.first_token_time,
                                            "done": m.finished_time, "n": len(out.outputs[0].token_ids)}
-        peak_blocks = max(peak_blocks, sum(b.num_used for b in engine.core.scheduler.blocks))
+        peak_blocks = max(peak_blocks, engine.core.kv_usage()[0])
     wall = time.monotonic() - t0
     return summarize(list(records.values()), wall), {"peak_kv_blocks": peak_blocks}
 
@@ -104,12 +104,12 @@ def bench_ours(args, work):
     core.reset_prefix_cache()
     before = dict(core.stats)
     compile0 = CompileClock.total
-    hits0 = sum(b.prefix_hits for b in core.scheduler.blocks)
+    hits0 = core.prefix_cache_counts()[1]
     summary, extra = run_ours(llm, work)
     delta = lambda k: core.stats[k] - before[k]
     summary.update(extra, preemptions=delta("preemptions"), steps=delta("steps"),
                    scheduled_tokens=delta("scheduled_tokens"),
-                   prefix_cache_hit_tokens=sum(b.prefix_hits for b in core.scheduler.blocks) - hits0,
+                   prefix_cache_hit_tokens=core.prefix_cache_counts()[1] - hits0,
                    kv_pool_blocks=core.pool.num_blocks, compiled_step_shapes=len(core.runner.compiled_shapes),
                    warmup_s=round(warm, 1), compile_s_in_timed_run=round(CompileClock.total - compile0, 2))
     return llm, summary
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         work = make_workload(args, vocab=int(os.environ.get("BENCH_VOCAB", "49152")))
         print(json.dumps({"server": args.server, **bench_server(args.server, work)}))
         return 0
-    from tp_jax.loaders.model import open_checkpoint
+    from tp_jax.loaders.sources import open_checkpoint
     from tp_jax.loaders.default import default_model_path
     model_path = default_model_path() if args.model is None else args.model
     _, cfg = open_checkpoint(model_path)

@@ -5,7 +5,7 @@
 
 SRC is a Hugging Face directory, a .gguf file or an Orbax directory. OUT gets config.json,
 the tokenizer files and (for orbax) `OUT/orbax/`; load it with `LLM("OUT", tensor_parallel_size=N)`.
-A bad input ends with one line on stderr and exit code 2; Ctrl-C with exit code 130.
+A bad input ends with one line on stderr and exit code 2 (a bug: its traceback, 1); Ctrl-C with exit code 130.
 """
 
 import argparse
@@ -14,6 +14,7 @@ import sys
 import time
 
 from tp_jax.loaders.dtypes import FLOATS
+from tp_jax.server.command import USER_ERRORS
 
 
 def convert(args) -> None:
@@ -44,7 +45,7 @@ def main() -> None:
     except FileExistsError:
         parser.exit(2, f"convert.py: error: {os.path.join(args.out, 'orbax')} already exists; pass --overwrite "
                        f"to replace it\n")
-    except (ValueError, OSError, TypeError) as e:
+    except (*USER_ERRORS, OSError) as e:                 # the project's user errors, or OUT cannot be written
         parser.exit(2, f"convert.py: error: {e}\n")
     except KeyboardInterrupt:
         parser.exit(130, "convert.py: interrupted; nothing was left half-written in OUT/orbax\n")

@@ -1,6 +1,6 @@
 """scripts/generate.py as a user runs it: inputs checked before the load, exact output formats, Ctrl-C.
 
-Units of tp_jax/serving/cli.py first, then the script in subprocesses (a tiny random model
+Units of tp_jax/server/generate.py first, then the script in subprocesses (a tiny random model
 with SmolLM2's tokenizer; the real SmolLM2 where a run must last long enough to interrupt).
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import make_tokenized_checkpoint
-from tp_jax.serving.cli import OrderedStreams, json_line, read_prompts_file
+from tp_jax.server.generate import OrderedStreams, json_line, read_prompts_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GENERATE = os.path.join(ROOT, "scripts", "generate.py")

@@ -76,7 +76,7 @@ def test_finished_sequences_leave_at_once(hf_refs):
     core = llm.engine.core
     assert core.stats["steps"] == 12                                    # the longest request's tokens
     assert {s.decode_rows for s in core.runner.compiled_shapes} >= {1, 2}   # the batch shrank as they left
-    assert sum(b.num_used for b in core.scheduler.blocks) == 0
+    assert core.kv_usage()[0] == 0
 
 
 def test_logprobs_match_forward(hf_refs):

@@ -49,7 +49,7 @@ def llm(tmp_path_factory):
 
 def idle(llm) -> bool:
     core = llm.engine.core
-    return not core.requests and sum(b.num_used for b in core.scheduler.blocks) == 0
+    return not core.requests and core.kv_usage()[0] == 0
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

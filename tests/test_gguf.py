@@ -352,3 +352,36 @@ def test_convert_round_trip(smollm2_converted, hf_model):
     assert (got - expected).abs().max().item() <= 1e-4
     assert tok.decode(got[0, -1].argmax()) == tok.decode(expected[0, -1].argmax())
 
+
+
+# --- the reader's overrides of gguf's private methods (pyproject.toml bounds gguf) ------------------
+
+def test_private_reader_methods_keep_their_signatures():
+    """loaders/gguf.py overrides GGUFReader._get_field_parts and _build_tensors (the public reader takes
+    ~18x longer on SmolLM2's tokenizer arrays) and calls _get; a gguf release that changes them fails here."""
+    import inspect
+    want = {"_get_field_parts": ["self", "orig_offs", "raw_type"], "_build_tensors": ["self", "start_offs", "fields"],
+            "_get": ["self", "offset", "dtype", "count", "override_order"]}
+    for name, params in want.items():
+        assert list(inspect.signature(getattr(gguf.GGUFReader, name)).parameters) == params, name
+    for attr in ("gguf_scalar_to_np", "data", "byte_order", "alignment", "fields", "tensors"):
+        assert hasattr(gguf.GGUFReader, attr) or attr in gguf.GGUFReader.__init__.__code__.co_names, attr
+
+
+def test_checked_reader_reads_what_gguf_reads(tmp_path):
+    """The overrides parse the same fields (string and number arrays included) and tensors as gguf's own reader."""
+    from tp_jax.loaders.gguf import _CheckedReader
+    tokens = ["<s>", "hello", "wörld", ""]
+    path = quantized_file(tmp_path / "m.gguf", QT.Q8_0, tiny_hf_tensors(), meta=[
+        lambda w: w.add_token_list(tokens), lambda w: w.add_token_scores([0.0, -1.5, -2.0, -3.0]),
+        lambda w: w.add_array("test.empty", [])])
+    ours, theirs = _CheckedReader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, f in theirs.fields.items():
+        g = ours.fields[name]
+        assert (g.name, g.types, g.data, g.offset) == (f.name, f.types, f.data, f.offset), name
+        assert [bytes(np.asarray(p)) for p in g.parts] == [bytes(np.asarray(p)) for p in f.parts], name
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name

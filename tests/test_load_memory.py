@@ -23,7 +23,8 @@ import json, resource, sys
 from tp_jax.multihost.devices import simulate_cpu_devices
 simulate_cpu_devices(8)
 import jax, jax.numpy as jnp
-from tp_jax.loaders.model import load_from_source, open_checkpoint
+from tp_jax.loaders.model import load_from_source
+from tp_jax.loaders.sources import open_checkpoint
 from tp_jax.parallel.mesh import make_mesh
 
 def rss(key):
@@ -89,7 +90,8 @@ def test_each_block_is_read_once_and_a_shared_block_once_for_all_devices(tmp_pat
 
     from tests.test_quantized_models import RecordingSource
     from tests.tiny_models import make_checkpoint
-    from tp_jax.loaders.model import load_from_source, open_checkpoint
+    from tp_jax.loaders.model import load_from_source
+    from tp_jax.loaders.sources import open_checkpoint
     from tp_jax.parallel.mesh import make_mesh
     ckpt = open_checkpoint(make_checkpoint("gqa", str(tmp_path)))
     source = RecordingSource(ckpt.source)

@@ -178,9 +178,22 @@ def test_unused_tensors_are_refused():
 
 
 def test_ignored_tensors_load():
+    """A tensor the table ignores is neither refused nor read, and every param equals the load without it."""
     w = tensors()
     w["blocks.0.rotary.inv_freq"] = np.ones(4, np.float32)
-    load(WeightTable(entries(), ignored=["blocks.{i}.rotary.inv_freq"]), CountingSource(w))
+
+    class Watching(CountingSource):
+        def get(self, name):
+            assert "rotary" not in name, f"the ignored tensor {name!r} was read"
+            return super().get(name)
+    got = nnx.to_flat_state(nnx.state(load(WeightTable(entries(), ignored=["blocks.{i}.rotary.inv_freq"]),
+                                           Watching(w)), nnx.Param))
+    want = dict(nnx.to_flat_state(nnx.state(load(entries(), CountingSource(tensors())), nnx.Param)))
+    assert len(got) == len(want) == 6          # embedding, qkv kernel + bias, norm weight + bias, up
+    for key, var in got:
+        np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(want[key].get_value()), err_msg=key)
+    assert np.array_equal(np.asarray(dict(got)[("blocks", "layers", "up", "kernel")].get_value())[0],
+                          w["blocks.0.up"].T)
 
 
 def test_wrong_shape_names_param_entry_and_tensor():

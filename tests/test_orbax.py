@@ -66,10 +66,7 @@ def test_tiny_logits_equal_source(tiny, variant, tp):
 
 def test_tiny_pipeline_parallel(tiny):
     hf, orbax_dir = tiny["h9kv3"]
-    try:
-        diff = max_diff(hf, orbax_dir, ids_for(1001), pipeline_parallel_size=2, tensor_parallel_size=4)
-    except NotImplementedError as e:
-        pytest.skip(f"pipeline parallelism not available yet: {e}")
+    diff = max_diff(hf, orbax_dir, ids_for(1001), pipeline_parallel_size=2, tensor_parallel_size=4)
     print(f"tiny h9kv3 pp=2 tp=4: max abs logit diff {diff:.1e}")
     assert diff <= LIMIT
 
@@ -190,10 +187,7 @@ def test_smollm2_logits_equal_gguf(smollm2_path, smollm2_orbax, smollm2_ids, tp)
 
 @pytest.mark.slow
 def test_smollm2_pipeline_parallel(smollm2_path, smollm2_orbax, smollm2_ids):
-    try:
-        diff = max_diff(smollm2_path, smollm2_orbax, smollm2_ids, pipeline_parallel_size=2, tensor_parallel_size=4)
-    except NotImplementedError as e:
-        pytest.skip(f"pipeline parallelism not available yet: {e}")
+    diff = max_diff(smollm2_path, smollm2_orbax, smollm2_ids, pipeline_parallel_size=2, tensor_parallel_size=4)
     print(f"SmolLM2 pp=2 tp=4: max abs logit diff orbax vs GGUF {diff:.1e}")
     assert diff <= LIMIT
 

@@ -76,7 +76,7 @@ def test_every_factorization(deep, workload_refs, dp, pp, tp):
     got = run_workload(llm.engine, work)
     assert got == alone                                           # == each request alone on one device
     assert {rid: got[rid] for rid in hf} == hf                    # greedy == transformers
-    assert sum(b.num_used for b in llm.engine.core.scheduler.blocks) == 0
+    assert llm.engine.core.kv_usage()[0] == 0
 
 
 def test_odd_batch_is_padded_for_dp(deep):

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tp_jax.serving.sampling import (SamplingParams, SamplingTensors, apply_penalties, process_logits,
-                             prompt_mask_from_ids, sample, update_output_counts)
+from tp_jax.serving.sampling import SamplingParams, SamplingTensors, apply_penalties, process_logits, sample
 
 F32_MIN = np.finfo(np.float32).min
 DRAWS = 2000
@@ -278,13 +277,25 @@ def test_sample_applies_penalties():
 
 
 def test_prompt_mask_and_output_counts():
-    ids = jnp.asarray([[3, 1, 3, 0], [2, 2, 9, 9]])
-    mask = np.asarray(prompt_mask_from_ids(ids, jnp.asarray([3, 2]), 5))
-    np.testing.assert_array_equal(mask, [[0, 1, 0, 1, 0], [0, 0, 1, 0, 0]])
-    counts = jnp.zeros((2, 5), jnp.int32)
-    counts = update_output_counts(counts, jnp.asarray([4, 1]))
-    counts = update_output_counts(counts, jnp.asarray([4, 2]), where=jnp.asarray([True, False]))
-    np.testing.assert_array_equal(counts, [[0, 0, 0, 0, 2], [0, 1, 0, 0, 0]])
+    """The penalty rows as production keeps them (tp_jax/serving/penalties.py, read by runner.py's sampler)."""
+    from tp_jax.serving.penalties import Penalties, add_sampled
+    from tp_jax.serving.request import Request
+    pen = Penalties(num_slots=2, vocab_size=5, put=jnp.asarray)
+    reqs = [Request(rid, len(p), p + out, SamplingParams(), 4, (0, 0, 0)) for rid, p, out in
+            (("a", [3, 1, 3], []), ("b", [2, 2], [1]))]
+    loads = [pen.assign(r) for r in reqs]
+    assert pen.assign(reqs[0]) == (loads[0][0], None)                  # loaded once while it runs
+    for _, load in loads:
+        pen.load(*load)
+    (ra, _), (rb, _) = loads
+    mask, counts = (np.asarray(x) for x in pen.state)
+    np.testing.assert_array_equal(mask[[ra, rb]], [[0, 1, 0, 1, 0], [0, 0, 1, 0, 0]])
+    np.testing.assert_array_equal(counts[[ra, rb]], [[0, 0, 0, 0, 0], [0, 1, 0, 0, 0]])
+    counts = add_sampled(pen.state[1], jnp.asarray([ra, rb]), jnp.asarray([4, 1]))
+    counts = add_sampled(counts, jnp.asarray([ra, pen.scratch]), jnp.asarray([4, 2]))    # b's row: padding
+    np.testing.assert_array_equal(np.asarray(counts)[[ra, rb]], [[0, 0, 0, 0, 2], [0, 2, 0, 0, 0]])
+    pen.release("a")
+    assert pen.assign(reqs[0])[1] is not None                          # a new row after a release
 
 
 # --- logprobs and padding -------------------------------------------------------------------

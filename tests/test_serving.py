@@ -32,7 +32,7 @@ def alone(llm):
 
 
 def used_blocks(llm) -> int:
-    return sum(b.num_used for b in llm.engine.core.scheduler.blocks)
+    return llm.engine.core.kv_usage()[0]
 
 
 def test_arrival_order_and_batch_do_not_change_outputs(llm, alone):
@@ -112,7 +112,7 @@ def test_a_thousand_requests_leak_no_blocks(path):
     assert used_blocks(llm) == 0 and not core.requests and core.scheduler.num_running == 0
     bm = core.scheduler.blocks[0]
     assert sorted(bm.free_queue) == list(range(bm.num_blocks)) and not bm.tables
-    assert sorted(core.free_slots) == list(range(core.num_slots))
+    assert sorted(core.penalties.free) == list(range(core.penalties.num_slots)) and not core.penalties.rows
 
 
 def test_n_samples_and_their_seeds(llm):
@@ -171,7 +171,7 @@ def test_async_engine_streams_and_cancels(llm):
 
 
 def used_blocks_of(engine) -> int:
-    return sum(b.num_used for b in engine.core.scheduler.blocks)
+    return engine.core.kv_usage()[0]
 
 
 @pytest.mark.parametrize("kw,msg", [

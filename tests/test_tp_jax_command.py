@@ -75,3 +75,65 @@ def test_readme_serve_command_parses():
     assert line[:2] == ["tp-jax", "serve"]
     args = build_parser().parse_args(line[1:])
     assert (args.tp, args.simulate_devices, args.port, args.model_pos) == (8, 8, 8000, None)
+
+
+# --- one command line: shared engine flags, one LLM, the exits (issue 22) -----------------------------
+
+SERVER_ONLY = {"--model", "--host", "--port", "--served-model-name", "--api-key", "--warmup", "--shutdown-timeout",
+               "--tool-call-parser", "--structured-outputs-config", "--enable-auto-tool-choice", "--log-level",
+               "--disable-access-log"}
+
+
+def _flags(help_text: str) -> set[str]:
+    import re
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", help_text)) - {"--help"}
+
+
+def test_generate_takes_every_engine_flag_of_serve():
+    serve_help, gen_help = run([TP_JAX, "serve", "--help"]), run([TP_JAX, "generate", "--help"])
+    assert serve_help.returncode == gen_help.returncode == 0
+    serve, gen = _flags(serve_help.stdout), _flags(gen_help.stdout)
+    engine = serve - SERVER_ONLY
+    assert {"--max-num-seqs", "--max-num-batched-tokens", "--num-gpu-blocks", "--seed", "--tp"} <= engine
+    assert engine <= gen, f"engine flags of serve that generate lacks: {sorted(engine - gen)}"
+
+
+def test_the_engine_flags_are_llm_arguments():
+    """`llm_kwargs` maps the shared flags onto LLM(...): every key is one of its arguments and every argument
+    but the model, the device list and check_weights has a flag."""
+    import inspect
+    from tp_jax.server.cli import build_parser
+    from tp_jax.server.command import llm_kwargs
+    from tp_jax.serving.llm import LLM
+    params = set(inspect.signature(LLM.__init__).parameters) - {"self", "model"}
+    for command in ("serve", "generate"):
+        args = build_parser().parse_args([command, "--max-num-seqs", "3", "--num-gpu-blocks", "7", "--seed", "5",
+                                          "--no-enable-prefix-caching", "--block-size", "32"])
+        kw = llm_kwargs(args)
+        assert set(kw) <= params and params - set(kw) == {"devices", "check_weights"}
+        assert (kw["max_num_seqs"], kw["num_gpu_blocks"], kw["seed"], kw["enable_prefix_caching"],
+                kw["block_size"]) == (3, 7, 5, False, 32)
+
+
+EXITS = """
+import sys
+from tp_jax.server.command import run_command
+from tp_jax.loaders.bind import MissingWeightError
+errors = {"value": ValueError("bad --thing"), "missing": MissingWeightError("the checkpoint lacks 'w'"),
+          "file": FileNotFoundError("no such model"), "key": KeyError("a bug"),
+          "not_implemented": NotImplementedError("a bug"), "type": TypeError("a bug")}
+def fail(args):
+    raise errors[sys.argv[1]]
+sys.exit(run_command(fail, None))
+"""
+
+
+@pytest.mark.parametrize("kind,user", [("value", True), ("missing", True), ("file", True), ("key", False),
+                                       ("not_implemented", False), ("type", False)])
+def test_only_user_errors_exit_2(kind, user):
+    """The project's user errors: one `error:` line, exit 2; anything else is a bug: its traceback, exit 1."""
+    r = run([sys.executable, "-c", EXITS, kind], timeout=120)
+    if user:
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    else:
+        assert r.returncode == 1 and "Traceback" in r.stderr and "a bug" in r.stderr, r.stderr

@@ -24,7 +24,7 @@ from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, LazyTensor,
 from tp_jax.parallel.layers import (GGUFBlocks, Int8, LinearMethod, QuantizationConfig, QuantizationError,
                                     Unquantized, UnsupportedLayerError, register_quantization)
 # --- running a module under shard_map -------------------------------------------------
-from tp_jax.parallel.shard import param_specs, place, shard_module
+from tp_jax.parallel.shard import shard_module
 # --- loading a checkpoint per device: your name table + the loader ------------------------
 from tp_jax.parallel.layers import Entry, WeightTable
 from tp_jax.loaders.place import (CheckpointMismatchError, MissingWeightError, NameTableError, NonFiniteWeightError,
@@ -64,7 +64,7 @@ __all__ = [
     "contiguous_rows", "replicated_rows", "expand_heads",
     "LinearMethod", "Unquantized", "Int8", "GGUFBlocks", "QuantizationConfig", "register_quantization",
     "QuantizationError", "UnsupportedLayerError",
-    "param_specs", "place", "shard_module",
+    "shard_module",
     "Entry", "WeightTable", "bind", "fill", "load_state", "MissingWeightError", "NameTableError",
     "CheckpointMismatchError", "NonFiniteWeightError", "simulate_cpu_devices",
 ]

@@ -25,10 +25,6 @@ from tp_jax.parallel import collectives
 from tp_jax.parallel.mesh import PP
 
 
-def padded_layers(num_layers: int, pp: int) -> int:
-    return pp * math.ceil(num_layers / pp)
-
-
 def stage_layer_map(num_layers: int, pp: int) -> tuple[int, ...]:
     """Slot -> HF layer index (-1: identity), stage-major; real layers balanced across stages."""
     if not isinstance(pp, int) or pp < 1:

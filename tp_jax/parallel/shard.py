@@ -11,20 +11,7 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-
-def param_specs(module: nnx.Module):
-    """The module's state with each leaf replaced by its PartitionSpec."""
-    return nnx.get_partition_spec(nnx.state(module))
-
-
-def place(module: nnx.Module, mesh: Mesh) -> None:
-    """Move every param of `module` onto `mesh` as its spec says (for modules built unsharded)."""
-    state = nnx.state(module)
-    specs = nnx.get_partition_spec(state)
-    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs)
-    nnx.update(module, placed)
+from jax.sharding import Mesh, PartitionSpec as P
 
 
 def shard_module(module: nnx.Module, mesh: Mesh, *, in_specs: tuple, out_specs,
@@ -48,4 +35,4 @@ def shard_module(module: nnx.Module, mesh: Mesh, *, in_specs: tuple, out_specs,
     return lambda *args: fn(state, *args)
 
 
-__all__ = ["param_specs", "place", "shard_module", "P"]
+__all__ = ["shard_module", "P"]

@@ -27,6 +27,7 @@ from tp_jax.server.protocol import ChatCompletionRequest, CompletionRequest, req
 from tp_jax.server.constraints import request_constraint, with_defaults
 from tp_jax.server.tools import ToolMode, ToolStream, for_template
 from tp_jax.server.responses import ChoiceDelta, Delta, Tokens, chat_logprobs, completion_logprobs, usage
+from tp_jax.serving.llm_engine import PreparedRequest
 from tp_jax.serving.outputs import CompletionOutput, RequestOutput
 from tp_jax.serving.sampling import SamplingParams
 
@@ -56,6 +57,7 @@ class Job:
     request: CompletionRequest | ChatCompletionRequest
     echo_texts: list[str] | None = None           # completions with echo=true: each prompt's text
     tools: ToolMode | None = None                 # chat with tools (auto / required / named): calls parsed
+    prepared: list[PreparedRequest] = dataclasses.field(default_factory=list)   # per prompt, as queued
 
     @property
     def object(self) -> str:
@@ -144,10 +146,11 @@ class Handler:
         except ValueError as e:
             raise APIError(400, str(e).removeprefix("SamplingParams: "), param=getattr(e, "param", None)) from None
         field = "messages" if chat else "prompt"
+        prepared = []
         for i, ids in enumerate(prompts):
             where = field if len(prompts) == 1 else f"{field} {i}"
             try:
-                self.aengine.engine.check(ids, params, where)    # a grammar that does not compile: 400 here
+                prepared.append(self.aengine.engine.prepare(ids, params, where))   # a bad grammar: 400 here
             except (ValueError, TypeError) as e:
                 bad = constraint is not None and "structured outputs" in str(e)
                 raise APIError(400, str(e), param=constraint[0] if bad else field) from None
@@ -159,15 +162,14 @@ class Handler:
                                param=name, code="context_length_exceeded")
         model = req.model if req.model is not None else self.names[0]
         return Job(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, prompts, params, req,
-                   tools=tools)
+                   tools=tools, prepared=prepared)
 
     # --- running it ----------------------------------------------------------------------------------
     async def _run(self, job: Job, stream: bool) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative RequestOutput) as the engine makes progress, all prompts merged."""
         ids = [job.id if len(job.prompts) == 1 else f"{job.id}-{i}" for i in range(len(job.prompts))]
         timers = [self.metrics.timer(rid, len(p)) for rid, p in zip(ids, job.prompts)]
-        gens = [self.aengine.generate({"prompt_token_ids": p}, job.params, request_id=rid, stream=stream)
-                for rid, p in zip(ids, job.prompts)]
+        gens = [self.aengine.generate(p, request_id=rid, stream=stream) for rid, p in zip(ids, job.prepared)]
         self.active.update(ids)
         try:
             async for i, out in merge(gens):

@@ -43,11 +43,11 @@ SNAPSHOT_TIMEOUT_S = 10.0                # a step (a compile) may hold the engin
 def engine_snapshot(engine) -> dict:
     """The engine's counters at one moment (call on the engine thread)."""
     core = engine.core
-    blocks = core.scheduler.blocks
+    used, total = core.kv_usage()
+    queries, hits = core.prefix_cache_counts()
     return {"running": core.scheduler.num_running, "waiting": len(core.scheduler.waiting),
-            "kv_blocks_used": sum(b.num_used for b in blocks), "kv_blocks_total": core.pool.num_blocks * len(blocks),
-            "kv_usage": core.kv_usage(), "prefix_hit_rate": core.prefix_cache_hit_rate(),
-            "prefix_queries": sum(b.prefix_queries for b in blocks), "prefix_hits": sum(b.prefix_hits for b in blocks),
+            "kv_blocks_used": used, "kv_blocks_total": total, "kv_usage": used / total,
+            "prefix_hit_rate": hits / queries if queries else 0.0, "prefix_queries": queries, "prefix_hits": hits,
             "generated_tokens": core.stats["generated_tokens"], "preemptions": core.stats["preemptions"],
             "steps": core.stats["steps"], "constrained_tokens": core.stats["constrained_tokens"],
             "grammar_seconds": core.stats["grammar_seconds"]}

@@ -9,7 +9,7 @@
   implement are accepted only at their neutral value (`logit_bias={}`, `suffix`, ...).
 * `sampling_params(request, max_tokens)` — the engine's `SamplingParams` for a request.
 * `response_format`, `structured_outputs`, `tools`, `tool_choice` — see tp_jax/server/constraints.py.
-* `ErrorResponse` — OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`.
+* The error body is tp_jax/server/openapi.py `ErrorResponse`.
 
 Responses are built as plain dicts in OpenAI's layout (see tp_jax/server/responses.py).
 """
@@ -28,17 +28,6 @@ MAX_LOGPROBS = 20           # the engine's max_logprobs (EngineConfig)
 
 _Prob = Annotated[float, Field(gt=0.0, le=1.0)]
 _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
 
 
 class StreamOptions(BaseModel):

@@ -25,7 +25,7 @@ import threading
 
 import uvicorn
 
-from tp_jax.server.cli import add_engine_args, env_default
+from tp_jax.server.command import add_engine_args, build_llm, env_default, initialize
 from tp_jax.server.tools import PARSERS
 
 log = logging.getLogger("tp_jax.server")
@@ -46,11 +46,6 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="name(s) clients use as `model` (default: MODEL as given, or SmolLM2-135M-Instruct)")
     ap.add_argument("--api-key", default=env_default(ENV_API_KEY),
                     help=f"require `Authorization: Bearer KEY` on /v1 routes (or env {ENV_API_KEY})")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per dp replica")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step per dp replica")
-    ap.add_argument("--num-gpu-blocks", type=int, default=None, help="KV cache blocks per dp replica "
-                    "(default: from the memory budget)")
-    ap.add_argument("--seed", type=int, default=0, help="the engine's randomness for unseeded requests")
     ap.add_argument("--warmup", action="store_true", help="compile the common step shapes before serving")
     ap.add_argument("--shutdown-timeout", type=float, default=3.0,
                     help="seconds in-flight requests may finish after SIGINT / SIGTERM before they are aborted")
@@ -113,17 +108,11 @@ def run(args) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0 seconds")
     model = args.model if args.model is not None else args.model_pos
-    from tp_jax.multihost.distributed import initialize, is_driver, process_index
-    initialize(args.coordinator_address, args.num_processes, args.process_id, simulate_devices=args.simulate_devices)
+    from tp_jax.multihost.distributed import is_driver, process_index
+    initialize(args)
     sock = bind(args.host, args.port) if is_driver() else None
     try:
-        from tp_jax.serving.llm import LLM
-        llm = LLM(model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
-                  dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, num_gpu_blocks=args.num_gpu_blocks,
-                  seed=args.seed, progress=is_driver(), compile_cache=not args.no_compile_cache,
-                  quantization=args.quantization, unroll_layers=args.unroll_layers,
-                  enable_expert_parallel=args.enable_expert_parallel)
+        llm = build_llm(args, model)
         engine = llm.engine
         if not is_driver():
             log.info("process %d (pid %d): following process 0's engine steps", process_index(), os.getpid())

@@ -51,7 +51,9 @@ class AsyncLLMEngine:
     # --- the caller's side (any event loop) ----------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams | None = None, *, request_id: str,
                        stream: bool = True) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its RequestOutput after every step it makes progress in."""
+        """Submit a request and yield its RequestOutput after every step it makes progress in. `prompt` is as
+        LLMEngine.add_request takes it: a prompt with `params`, or a PreparedRequest (the server's handlers
+        prepare on the event loop, so a bad request is a 400 before anything is queued)."""
         if self.error is not None or self._stopped.is_set():
             raise RuntimeError(f"the engine has stopped{f': {self.error}' if self.error else ''}")
         loop = asyncio.get_running_loop()

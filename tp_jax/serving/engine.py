@@ -1,7 +1,7 @@
 """The engine core (vLLM v1's EngineCore): requests in, one scheduled step at a time, tokens out.
 
     core = EngineCore(model, mesh, EngineConfig(max_model_len=2048, ...), eos_token_ids=(2,))
-    core.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    core.add("a", [1, 2, 3], SamplingParams(max_tokens=8))     # prepared by the front door (LLMEngine)
     while core.has_unfinished():
         for out in core.step(): ...          # EngineOutput: the new token of each request that got one
     core.abort("a")
@@ -27,14 +27,15 @@ import time
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
-from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_host
+from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_global
 from tp_jax.parallel.mesh import DP, PP
 from tp_jax.serving import prompt_logprobs, sampling, structured
 from tp_jax.serving.batch import (MIN_BLOCKS, MIN_PREFILL_WIDTH, MIN_TOKENS, StepBatch, StepShape, bucket,
                                   build_batch, fine_bucket)
 from tp_jax.serving.kv_pool import plan_pool
+from tp_jax.serving.penalties import Penalties
 from tp_jax.serving.plan import StepPlan
 from tp_jax.serving.request import Request
 from tp_jax.serving.runner import ModelRunner
@@ -118,54 +119,36 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.block_size, self.pool.num_blocks, dp,
                                                    config.enable_prefix_caching))
-        self.num_slots = config.max_num_seqs * dp
-        self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.vocab_size, self.num_slots,
-                                  config.attention_backend)
-        self.free_slots = list(range(self.num_slots))[::-1]
+        replicated = NamedSharding(mesh, jax.P())
+        self.penalties = Penalties(config.max_num_seqs * dp, self.vocab_size, lambda x: to_global(x, replicated))
+        self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend)
         self.requests: dict[str, Request] = {}
         self.rng = np.random.default_rng(config.seed)
         self.stats = {"steps": 0, "scheduled_tokens": 0, "generated_tokens": 0, "preemptions": 0, "max_running": 0,
                       "constrained_tokens": 0, "grammar_seconds": 0.0}     # structured outputs: rows, host time
 
     # --- requests -------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams,
-                    arrival_time: float | None = None) -> Request:
-        """Queue a request; it joins the next step. Raises ValueError for input it can never serve."""
-        req = self.make_request(request_id, prompt_token_ids, params, arrival_time)
-        self.submit(req)
-        return req
-
-    def submit(self, req: Request) -> None:
-        """Queue a request made by `make_request`."""
-        self.requests[req.request_id] = req
-        self.scheduler.add(req)
-
-    def make_request(self, request_id: str, prompt_token_ids, params: SamplingParams,
-                     arrival_time: float | None = None, *, where: str | None = None, matcher=None) -> Request:
-        """A validated Request (not queued): every check before any device work. Errors start
-        with `where` (default "request <id>"). `matcher`: the structured-outputs grammar state
-        (serving/structured.py Matcher) that the front door compiled from `params.structured_outputs`."""
-        cfg = self.config
-        where = where or f"request {request_id}"
-        if not isinstance(request_id, str) or request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use (or not a string); give a new one")
-        self.check(prompt_token_ids, params, where)
-        if (params.structured_outputs is None) != (matcher is None):
-            raise ValueError(f"{where}: structured_outputs need a matcher compiled with the tokenizer (LLMEngine "
-                             f"does it); the engine core sees token ids only")
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            arrival_time: float | None = None, matcher=None) -> Request:
+        """Queue a request the front door prepared (LLMEngine.prepare: its id is new, its params are a
+        SamplingParams with n == 1 and its prompt passed `check`); it joins the next step. `matcher`:
+        the structured-outputs grammar state (serving/structured.py Matcher) compiled from
+        `params.structured_outputs`."""
         ids = list(prompt_token_ids)
-        room = cfg.max_model_len - len(ids)
+        room = self.config.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         words = sampling.key_words(params.seed, tuple(int(w) for w in self.rng.integers(0, 2**32, size=2)))
-        return Request(request_id, len(ids), ids, params, max_tokens, words,
-                       time.monotonic() if arrival_time is None else arrival_time,
-                       sample_floats=sampling.row_floats(params), matcher=matcher)
+        req = Request(request_id, len(ids), ids, params, max_tokens, words,
+                      time.monotonic() if arrival_time is None else arrival_time,
+                      sample_floats=sampling.row_floats(params), matcher=matcher)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
 
     def check(self, prompt_token_ids, params: SamplingParams, where: str) -> None:
-        """ValueError / TypeError, naming `where`, for a request this engine can never serve."""
+        """ValueError, naming `where`, for a request (token ids, one sample's SamplingParams) that this
+        engine can never serve: its limits (vocabulary, max_model_len, max_logprobs)."""
         cfg = self.config
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
         if params.n != 1:
             raise ValueError(f"{where}: n={params.n}; the engine core runs one sequence per request (the front "
                              f"door fans n > 1 out into child requests)")
@@ -232,10 +215,10 @@ class EngineCore:
         floats = np.tile(np.asarray(sampling.GREEDY_ROW, np.float32), (g, r, 1))
         top_k, steps = np.zeros((g, r), np.int32), np.zeros((g, r), np.int32)
         words = np.zeros((g, r, 3), np.uint32)
-        slots = np.full((g, r), self.num_slots, np.int32)
+        rows = np.full((g, r), self.penalties.scratch, np.int32)
         inits, logprobs, greedy, penalties = [], 0, True, False
-        for gi, rows in enumerate(batch.rows):
-            for i, row in enumerate(rows):
+        for gi, batch_rows in enumerate(batch.rows):
+            for i, row in enumerate(batch_rows):
                 if row is None or not row.samples or row.request.max_tokens == 0:
                     continue
                 req, p = row.request, row.request.params
@@ -245,13 +228,12 @@ class EngineCore:
                 greedy &= p.greedy
                 if sampling.has_penalties(p):
                     penalties = True
-                    if req.penalty_slot < 0:
-                        req.penalty_slot = self.free_slots.pop()
-                        inits.append((req.penalty_slot, req.token_ids[:req.prompt_len], req.output_token_ids))
-                    slots[gi, i] = req.penalty_slot
-        num_logprobs = min(bucket(logprobs), self.vocab_size)
-        return StepPlan(batch, floats, top_k, words, steps, slots, num_logprobs, penalties, greedy and not penalties,
-                        inits, prompt_logprobs.plan(batch, self.vocab_size))
+                    rows[gi, i], init = self.penalties.assign(req)
+                    inits += [] if init is None else [init]
+        return StepPlan(batch=batch, floats=floats, top_k=top_k, words=words, steps=steps, penalty_rows=rows,
+                        num_logprobs=min(bucket(logprobs), self.vocab_size), penalties=penalties,
+                        all_greedy=greedy and not penalties, penalty_inits=inits,
+                        prompt=prompt_logprobs.plan(batch, self.vocab_size))
 
     def _bitmask(self, batch) -> np.ndarray | None:
         """i32[G, R, ceil(V / 32)]: each constrained row's allowed tokens (all ones elsewhere); None when
@@ -324,17 +306,12 @@ class EngineCore:
 
     def _finish(self, req: Request, reason: str, stop_reason) -> None:
         self.scheduler.finish(req, reason, stop_reason)
-        self._release_slot(req)
+        self.penalties.release(req.request_id)
         self.requests.pop(req.request_id, None)
 
     def _release_preempted(self, preempted: list[Request]) -> None:
-        for req in preempted:
-            self._release_slot(req)
-
-    def _release_slot(self, req: Request) -> None:
-        if req.penalty_slot >= 0:
-            self.free_slots.append(req.penalty_slot)
-            req.penalty_slot = -1
+        for req in preempted:                       # a preempted request reloads its penalty row when it resumes
+            self.penalties.release(req.request_id)
 
     # --- many hosts -----------------------------------------------------------------------------
     def follow(self) -> None:
@@ -377,14 +354,19 @@ class EngineCore:
             self._execute(plan)
         return sorted(self.runner.compiled_shapes)
 
-    def kv_usage(self) -> float:
-        used = sum(b.num_used for b in self.scheduler.blocks)
-        return used / (self.pool.num_blocks * len(self.scheduler.blocks))
+    def kv_usage(self) -> tuple[int, int]:
+        """(KV blocks in use, blocks in all) over every dp replica's pool."""
+        return sum(b.num_used for b in self.scheduler.blocks), self.pool.num_blocks * len(self.scheduler.blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache (vLLM's reset_prefix_cache); False while requests still run."""
         return all([b.reset_prefix_cache() for b in self.scheduler.blocks])
 
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found there) over every dp replica's pool."""
+        blocks = self.scheduler.blocks
+        return sum(b.prefix_queries for b in blocks), sum(b.prefix_hits for b in blocks)
+
     def prefix_cache_hit_rate(self) -> float:
-        q = sum(b.prefix_queries for b in self.scheduler.blocks)
-        return sum(b.prefix_hits for b in self.scheduler.blocks) / q if q else 0.0
+        queries, hits = self.prefix_cache_counts()
+        return hits / queries if queries else 0.0

@@ -9,47 +9,13 @@ If the consumer stops iterating early, its unfinished requests are aborted (bloc
 from __future__ import annotations
 
 import itertools
-import numbers
 from collections.abc import Iterator
-
-import numpy as np
 
 from tp_jax.multihost.distributed import is_driver
 from tp_jax.serving.outputs import RequestOutput, StreamEvent
-from tp_jax.serving.sampling import SamplingParams
+from tp_jax.serving.prompts import per_prompt_params, split_prompts
 
 _calls = itertools.count()
-
-
-def normalize_prompts(prompts) -> list:
-    """A list of single prompts from whatever `generate` accepts (one prompt, a list, a 2-D array)."""
-    if isinstance(prompts, (str, dict, bytes, bytearray)):
-        return [prompts]
-    if isinstance(prompts, np.ndarray):
-        if prompts.ndim not in (1, 2):
-            raise ValueError(f"generate: a token-id array must be 1-D (one prompt) or 2-D (one per row), "
-                             f"got shape {prompts.shape}")
-        return [prompts] if prompts.ndim == 1 else list(prompts)
-    try:
-        prompts = list(prompts)
-    except TypeError:
-        raise TypeError(f"generate: prompts must be a string, token ids or a list of them, got "
-                        f"{type(prompts).__name__}") from None
-    if prompts and all(isinstance(p, (numbers.Number, np.generic)) for p in prompts):
-        return [prompts]                                 # one prompt of token ids
-    return prompts
-
-
-def per_prompt_params(sp, n: int) -> list[SamplingParams]:
-    if sp is None:
-        return [SamplingParams()] * n
-    if isinstance(sp, SamplingParams):
-        return [sp] * n
-    sp = list(sp)
-    if len(sp) != n or not all(isinstance(p, SamplingParams) for p in sp):
-        raise ValueError(f"generate: got {len(sp)} sampling params for {n} prompts; pass one SamplingParams "
-                         f"or one per prompt")
-    return sp
 
 
 class Generation:
@@ -59,9 +25,7 @@ class Generation:
         self.results: dict[int, RequestOutput] = {}
         if not self.driver:
             return
-        self.prompts = normalize_prompts(prompts)
-        if not self.prompts:
-            raise ValueError("generate: no prompts given")
+        self.prompts = split_prompts(prompts)
         self.params = per_prompt_params(sampling_params, len(self.prompts))
         self.base = f"gen{next(_calls)}"
 
@@ -75,10 +39,10 @@ class Generation:
         sent: dict[tuple[int, int], tuple[int, int]] = {}             # (prompt, sample) -> (tokens, chars)
         added: list[str] = []
         try:
-            for i, (p, sp) in enumerate(zip(self.prompts, self.params)):
-                engine.check(p, sp, f"prompt {i}")                     # every prompt checked before any runs
-            for i, (rid, p, sp) in enumerate(zip(ids, self.prompts, self.params)):
-                engine.add_request(rid, p, sp, stream=with_text, where=f"prompt {i}")
+            prepared = [engine.prepare(p, sp, f"prompt {i}")             # every prompt checked before any runs
+                        for i, (p, sp) in enumerate(zip(self.prompts, self.params))]
+            for rid, req in zip(ids, prepared):
+                engine.add_request(rid, req, stream=with_text)
                 added.append(rid)
             index = {rid: i for i, rid in enumerate(ids)}
             while len(self.results) < len(ids):

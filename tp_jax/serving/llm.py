@@ -92,7 +92,8 @@ class LLM:
         from tp_jax.serving import compile_cache as cache
         self.compile_cache_dir = cache.enable(compile_cache)
         from tp_jax.loaders.default import default_model_path
-        from tp_jax.loaders.model import abstract_model, load_from_source, open_checkpoint
+        from tp_jax.loaders.model import abstract_model, load_from_source
+        from tp_jax.loaders.sources import open_checkpoint
         self.model_path = default_model_path() if model is None else str(model)
         agree("the LLM arguments", dict(tp=tensor_parallel_size, pp=pipeline_parallel_size, dp=data_parallel_size,
                                         dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,

@@ -19,18 +19,19 @@ from tp_jax.serving.batch import StepBatch, StepShape
 from tp_jax.serving.prompt_logprobs import PromptPlan
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class StepPlan:
+    """Built by keyword (EngineCore._plan), rebuilt from bytes (`from_bytes`) on the other processes."""
     batch: StepBatch
     floats: np.ndarray                     # f32[G, R, 6]  sampling.ROW_FLOATS
     top_k: np.ndarray                      # i32[G, R]
     words: np.ndarray                      # u32[G, R, 3]  PRNG key words
     steps: np.ndarray                      # i32[G, R]     output index of the token drawn
-    penalty_rows: np.ndarray               # i32[G, R]     penalty state row (the scratch row when unused)
+    penalty_rows: np.ndarray               # i32[G, R]     penalty row (penalties.py; the scratch row when unused)
     num_logprobs: int
     penalties: bool
     all_greedy: bool
-    penalty_inits: list[tuple[int, list[int], list[int]]]     # (slot, prompt ids, output ids)
+    penalty_inits: list[tuple[int, list[int], list[int]]]     # (row, prompt ids, output ids) to load
     prompt: PromptPlan | None = None       # prompt positions to score (prompt_logprobs.py)
     bitmask: np.ndarray | None = None      # i32[G, R, ceil(V/32)] allowed tokens (structured outputs), or None
 
@@ -62,6 +63,6 @@ class StepPlan:
         header = json.loads(a.pop("header").tobytes())
         batch = StepBatch(StepShape(*header["shape"]), *(a[k] for k in StepBatch.ARRAYS), rows=[])
         prompt = PromptPlan(a["prompt_index"], a["prompt_target"], header["prompt_k"]) if "prompt_k" in header else None
-        return cls(batch, *(a[k] for k in cls.SAMPLE_ARRAYS), header["num_logprobs"], header["penalties"],
-                   header["all_greedy"], [tuple(x) for x in header["penalty_inits"]], prompt,
-                   bitmask=a.get("bitmask"))
+        return cls(batch=batch, **{k: a[k] for k in cls.SAMPLE_ARRAYS}, num_logprobs=header["num_logprobs"],
+                   penalties=header["penalties"], all_greedy=header["all_greedy"],
+                   penalty_inits=[tuple(x) for x in header["penalty_inits"]], prompt=prompt, bitmask=a.get("bitmask"))

@@ -39,7 +39,6 @@ class Request:
     num_cached_tokens: int = -1      # prompt tokens found in the prefix cache when first scheduled
     num_preemptions: int = 0
     replica: int = -1                # the dp replica whose pool holds its blocks while it runs
-    penalty_slot: int = -1           # its row of the penalty state while it runs (penalized requests only)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)

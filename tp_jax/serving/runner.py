@@ -4,9 +4,9 @@
   one int32 buffer (sharded on dp) and are unpacked inside; the pool is donated and written
   in place; logits only for each row's sampling token, gathered over tp: [G, D + P, V].
 * `sample`: per row, vLLM's sampler with the row's own PRNG key and output step, so a
-  row's draw never depends on the rest of the batch. Penalties read per-request state
-  (prompt-token mask and output-token counts, [slots + 1, V], the last row a scratch row
-  for padding) that lives on the devices while the request runs. The result comes back
+  row's draw never depends on the rest of the batch. Penalties read per-request rows of
+  device state that tp_jax/serving/penalties.py owns (prompt-token mask, output-token
+  counts). The result comes back
   as one int32 array (logprobs bit-cast), so a step costs one transfer each way (plus
   one for the sampling rows when any row samples randomly or is penalized).
 * prompt logprobs (tp_jax/serving/prompt_logprobs.py): only in a step that scores prompt
@@ -31,20 +31,20 @@ from tp_jax.parallel.mesh import DP
 from tp_jax.serving import prompt_logprobs, sampling
 from tp_jax.serving.batch import StepShape, unpack
 from tp_jax.serving.kv_pool import POOL_SPEC, PoolShape, new_pool
+from tp_jax.serving.penalties import Penalties, add_sampled
 from tp_jax.serving.plan import StepPlan
 from tp_jax.serving.sampling import SamplingTensors
 from tp_jax.serving.structured import apply_bitmask
 
 
 class ModelRunner:
-    def __init__(self, model: nnx.Module, mesh: Mesh, pool: PoolShape, microbatches: int, vocab_size: int,
-                 num_slots: int, attention_backend: str = "reference"):
-        self.mesh, self.pool, self.vocab_size, self.num_slots = mesh, pool, vocab_size, num_slots
+    def __init__(self, model: nnx.Module, mesh: Mesh, pool: PoolShape, microbatches: int, penalties: Penalties,
+                 attention_backend: str = "reference"):
+        self.mesh, self.pool, self.penalties = mesh, pool, penalties
         graphdef, state = nnx.split(model)
         specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, P))
         self.weights, treedef = jax.tree.flatten(state)     # flat: an nnx State costs ms to flatten per call
         self.k, self.v = new_pool(pool, mesh)
-        self.penalty_state = None                # (prompt_mask bool[S+1, V], counts i32[S+1, V]) once needed
         self.compiled_shapes: set[StepShape] = set()
 
         def forward(weights, packed, k, v, *prompt, shape, prompt_k):
@@ -85,8 +85,8 @@ class ModelRunner:
 
         Structured outputs: `plan.bitmask`, or else `late_bitmask()` (called after the forward is
         dispatched, so the host fills it while the device computes), masks the logits before sampling."""
-        for slot, prompt, outputs in plan.penalty_inits:
-            self.init_penalty_slot(slot, prompt, outputs)
+        for row, prompt, outputs in plan.penalty_inits:
+            self.penalties.load(row, prompt, outputs)
         logits, scored = self.forward(plan.batch, plan.prompt)
         bitmask = plan.bitmask if plan.bitmask is not None or late_bitmask is None else late_bitmask()
         if bitmask is not None:                          # -inf where the grammar says no
@@ -97,30 +97,15 @@ class ModelRunner:
         else:
             floats, ints = self.put(plan.floats), self.put(plan.sample_ints())
             if plan.penalties:
-                out, counts = _sample_penalized(logits, floats, ints, *self.penalty_state, num_logprobs=n)
-                self.penalty_state = (self.penalty_state[0], counts)
+                mask, counts = self.penalties.state
+                out, counts = _sample_penalized(logits, floats, ints, mask, counts, num_logprobs=n)
+                self.penalties.state = (mask, counts)
             else:
                 out = _sample(logits, floats, ints, num_logprobs=n)
         out = np.asarray(to_host(out), np.int32)
         floats = lambda x: np.ascontiguousarray(x).view(np.float32)
         scored = None if scored is None else np.asarray(to_host(scored), np.int32)
         return out[..., 0], floats(out[..., 1]), out[..., 2:2 + n], floats(out[..., 2 + n:]), scored
-
-    def init_penalty_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
-        """Load a request's prompt-token mask and output counts into penalty row `slot`."""
-        if self.penalty_state is None:
-            shape = (self.num_slots + 1, self.vocab_size)
-            self.penalty_state = (self.put(np.zeros(shape, bool), P()), self.put(np.zeros(shape, np.int32), P()))
-        mask = np.zeros(self.vocab_size, bool)
-        mask[np.asarray(prompt_ids, np.int64)] = True
-        counts = np.bincount(np.asarray(output_ids, np.int64), minlength=self.vocab_size).astype(np.int32)
-        self.penalty_state = _set_row(*self.penalty_state, self.put(np.int32(slot), P()), self.put(mask, P()),
-                                      self.put(counts, P()))
-
-
-@jax.jit
-def _set_row(mask, counts, slot, mask_row, counts_row):
-    return mask.at[slot].set(mask_row), counts.at[slot].set(counts_row)
 
 
 def _pack(g: int, tokens, lp) -> jax.Array:
@@ -160,5 +145,5 @@ def _sample_penalized(logits, floats, ints, mask, counts, *, num_logprobs):
     rows = ints.reshape(-1, ints.shape[-1])[:, 2]
     tokens, lp = sampling.sample(logits.reshape(-1, logits.shape[-1]), t, steps, mask[rows], counts[rows],
                                  num_logprobs=num_logprobs)
-    counts = counts.at[rows, tokens].add(1)            # padding rows add to the scratch row
+    counts = add_sampled(counts, rows, tokens)          # padding rows add to the scratch row
     return _pack(logits.shape[0], tokens, lp), counts

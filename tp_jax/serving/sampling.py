@@ -7,7 +7,6 @@
 * `process_logits` — temperature, then top-k, top-p, min-p (vLLM v0's sampler order);
   excluded tokens get -inf, i.e. probability exactly 0.
 * `sample` — greedy or random per row; returns tokens and `TokenLogprobs`.
-* `prompt_mask_from_ids`, `update_output_counts` — the [B, V] state penalties need.
 
 Logprobs follow vLLM v1's default (`logprobs_mode="raw_logprobs"`): the log-softmax of the
 raw logits, before penalties, temperature and filtering. Padded vocab entries (logits at the
@@ -295,19 +294,3 @@ def _logprobs(raw: jax.Array, tokens: jax.Array, n: int) -> TokenLogprobs:
         return TokenLogprobs(chosen, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32))
     top_logprobs, top_ids = jax.lax.top_k(raw, n)
     return TokenLogprobs(chosen, top_ids.astype(jnp.int32), top_logprobs)
-
-
-def prompt_mask_from_ids(ids: jax.Array, lengths: jax.Array, vocab_size: int) -> jax.Array:
-    """ids[B, T] (right-padded, `lengths[B]` real) -> bool[B, V]: token occurs in the prompt."""
-    b, t = ids.shape
-    valid = jnp.arange(t)[None, :] < lengths[:, None]
-    cols = jnp.where(valid, ids, vocab_size)                 # out of range -> dropped
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    return jnp.zeros((b, vocab_size), bool).at[rows, cols].set(True, mode="drop")
-
-
-def update_output_counts(counts: jax.Array, tokens: jax.Array, where: jax.Array | None = None) -> jax.Array:
-    """counts[B, V] += one_hot(tokens[B]); rows with `where` False (finished, padding) unchanged."""
-    b, v = counts.shape
-    cols = tokens if where is None else jnp.where(where, tokens, v)
-    return counts.at[jnp.arange(b), cols].add(1, mode="drop")

@@ -3,7 +3,8 @@
 One tiny random checkpoint per model (2 layers, odd expert counts, top-2 / top-3, a shared
 expert), written by transformers in its default per-expert layout; Qwen3-MoE also in the fused
 layout (`save_original_format=False`). A few meshes run by default, every factorization of 8
-devices is `slow`. Plus the config refusals for layers HF makes dense.
+devices is `slow`; an 8-layer Qwen2-MoE reaches pp = 4 and pp = 8 (`slow`). Plus the config
+refusals for layers HF makes dense.
 """
 
 import os
@@ -34,10 +35,11 @@ FACTORIZATIONS = [(dp, pp, 8 // (dp * pp)) for dp in (1, 2, 4, 8) for pp in (1, 
 QUICK = {(2, 2, 2)}
 
 
-def hf_config(name: str):
+def hf_config(name: str, **extra):
     import transformers
     cls, over = VARIANTS[name]
-    return getattr(transformers, cls)(**{**BASE, **over, "architectures": [cls.replace("Config", "ForCausalLM")]})
+    arch = [cls.replace("Config", "ForCausalLM")]
+    return getattr(transformers, cls)(**{**BASE, **over, **extra, "architectures": arch})
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +57,19 @@ def moe_references(tmp_path_factory):
             model.save_pretrained(path + "_fused", safe_serialization=True, save_original_format=False)
         out[name] = (path, ids, *logits_and_greedy(model, ids, PROMPTS, max_new_tokens=8))
     return out
+
+
+@pytest.fixture(scope="session")
+def moe8_reference(tmp_path_factory):
+    """{"qwen2_moe8": ...}: the Qwen2-MoE variant (7 experts, a shared expert) with 8 layers, for pp = 4 and 8."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(8)
+    model = randomize(AutoModelForCausalLM.from_config(hf_config("qwen2_moe", num_hidden_layers=8)).eval())
+    path = str(tmp_path_factory.mktemp("moe8"))
+    model.save_pretrained(path, safe_serialization=True)
+    ids = np.random.default_rng(8).integers(0, BASE["vocab_size"], size=(4, 9))
+    return {"qwen2_moe8": (path, ids, *logits_and_greedy(model, ids, PROMPTS, max_new_tokens=8))}
 
 
 def check(refs, name, dp, pp, tp, ep, path=None):
@@ -78,6 +93,14 @@ def test_moe_models_match_transformers(moe_references, name, mesh, ep):
     if not ep and VARIANTS[name][1].get("moe_intermediate_size", BASE["intermediate_size"]) % mesh[2]:
         pytest.skip("the TP layout needs tp | moe_intermediate_size (refusal tested below)")
     check(moe_references, name, *mesh, ep)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [False, True], ids=["tp_layout", "ep"])
+@pytest.mark.parametrize("mesh", [(1, 4, 2), (2, 4, 1), (1, 8, 1)], ids=lambda m: "dp{}pp{}tp{}".format(*m))
+def test_deep_pipeline_factorizations(moe8_reference, mesh, ep):
+    """pp = 4 and pp = 8, which the 2-layer models cannot reach (the pipeline refuses more stages than layers)."""
+    check(moe8_reference, "qwen2_moe8", *mesh, ep)
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp_layout", "ep"])

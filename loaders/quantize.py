@@ -31,7 +31,7 @@ import jax
 from flax import nnx
 
 from tp_jax.loaders.bind import Binding, as_table, bind
-from tp_jax.parallel.layers import Entry, MethodLayer, WeightTable
+from tp_jax.parallel.layers import Entry, Experts, MethodLayer, WeightTable
 from tp_jax.parallel.layers.method import LinearMethod, QuantizationError, Unquantized
 from tp_jax.parallel.layers.quantization import AUTO, FLOAT_TYPES, NONE, quantization_config
 
@@ -48,10 +48,11 @@ def plan_methods(model: nnx.Module, table: WeightTable | Sequence[Entry], source
 
 
 def _weight_bindings(model, table) -> list[Binding]:
-    """The bindings of the weights a method holds (a MethodLayer's weight param, one per layer); a layer
-    marked `keep_float` (an MoE router: int8 logits would change which experts run) stays float."""
+    """The bindings of the weights a method holds (a MethodLayer's weight param, one per layer; an MoE
+    block's stacked experts, by their `gate_up`); a layer marked `keep_float` (an MoE router: int8 logits
+    would change which experts run) stays float."""
     return [b for b in bind(model, as_table(table))
-            if isinstance(b.module, MethodLayer) and b.name == b.module.weight_name
+            if isinstance(b.module, (MethodLayer, Experts)) and b.name == b.module.weight_name
             and not getattr(b.module, "keep_float", False)]
 
 

@@ -108,6 +108,31 @@ def test_block_matches_transformers(reference, dp, tp, ep):
         np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=0, err_msg=f"{kind} {dispatch}")
 
 
+@pytest.mark.parametrize("ep", [False, True], ids=["tp_layout", "ep"])
+def test_int8_experts_match_the_round_tripped_block(ep):
+    """`Experts.use_method(Int8())`: int8 kernels, one scale per expert and output row, built per rank from
+    the float parts; every dispatch equals transformers' block whose expert weights are int8 round-tripped."""
+    import torch
+    from tp_jax.parallel.layers import Int8
+    m, cfg = hf_block("qwen2_moe")
+    tensors = hf_tensors(m)
+    with torch.no_grad():
+        for p in (m.experts.gate_up_proj, m.experts.down_proj):          # [E, out, in]: per output row
+            s = p.abs().amax(dim=-1, keepdim=True) / 127
+            p.copy_(torch.round(p / s).clamp(-127, 127) * s)
+        x = np.random.default_rng(2).standard_normal((B, T, D)).astype(np.float32)
+        want = m(torch.from_numpy(x)).numpy()
+    mesh = mesh_for(2, 1, 2)
+    for dispatch in ("gather", "ragged", "dense"):
+        block = build("qwen2_moe", cfg, mesh, ep, dispatch)
+        with jax.set_mesh(mesh):
+            block.experts.use_method(Int8())
+        fill(block, tensors, mesh)
+        assert block.experts.gate_up[...].dtype == np.int8 and block.experts.down_scale[...].shape[-1] == D
+        got = shard_module(block, mesh, in_specs=(P("dp"),), out_specs=P("dp"))(x)
+        np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=0, err_msg=dispatch)
+
+
 def test_expert_slots_follow_vllm_expert_map():
     np.testing.assert_array_equal(expert_slots(10, 8), [[0, 1], [2, 3]] + [[e, -1] for e in range(4, 10)])
     np.testing.assert_array_equal(expert_slots(6, 8), [[e] for e in range(6)] + [[-1], [-1]])

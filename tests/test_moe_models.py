@@ -130,8 +130,9 @@ def test_moe_config_fields():
 
 @pytest.mark.parametrize("name", ["Mixtral-8x7B-v0.1", "Qwen3-30B-A3B", "Qwen3-235B-A22B"])
 def test_published_moe_config_at_tp8_with_ep(name, tmp_path):
-    """Accepted; with EP each device holds 1/8 of the experts: params per device ~ total / 8 (bf16), and the
-    KV pool at a 1 GiB budget has budget // (2 x layers x 16 tokens x kv heads per device x head_dim x 2 B) blocks."""
+    """Accepted; with EP each device holds 1/8 of the experts: params per device ~ total / 8 (bf16), half
+    that under quantization="int8" (experts included; the router and norms stay float), and the KV pool at
+    a 1 GiB budget has budget // (2 x layers x 16 tokens x kv heads per device x head_dim x 2 B) blocks."""
     import dataclasses
     import json
     import torch
@@ -160,7 +161,15 @@ def test_published_moe_config_at_tp8_with_ep(name, tmp_path):
     kv_local = max(1, cfg.num_kv_heads // 8)              # KV heads replicated when tp exceeds them
     per_block = 2 * cfg.num_layers * 16 * kv_local * cfg.head_dim * 2
     assert pool.num_blocks == min(budget // per_block, 64 * 4096 // 16)
-    print(json.dumps({"model": name, "params": total, "bytes_per_device": per_device, "kv_blocks": pool.num_blocks}))
+    from tp_jax.loaders.quantize import plan_methods
+    from tp_jax.models.registry import architecture
+    methods = plan_methods(model, architecture(cfg.architecture).weights(cfg), {}, cfg.num_layers, "int8")
+    int8_model = abstract_model(cfg, mesh, dtype=jax.numpy.bfloat16, methods=methods)
+    assert int8_model.model.layers.layers.mlp.experts.gate_up.get_value().dtype == jax.numpy.int8
+    int8_bytes = param_bytes_per_device(int8_model, mesh)              # the experts int8 too: ~1 byte / param
+    assert int8_bytes == pytest.approx(per_device / 2, rel=0.02), (int8_bytes, per_device)
+    print(json.dumps({"model": name, "params": total, "bytes_per_device": per_device, "kv_blocks": pool.num_blocks,
+                      "bytes_per_device_int8": int8_bytes}))
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp_layout", "ep"])
@@ -172,15 +181,49 @@ def test_orbax_convert_and_restore(moe_references, tmp_path, ep):
     check(moe_references, "qwen2_moe", 2, 1, 4, ep, path=out)
 
 
-def test_int8_quantization(moe_references):
-    """quantization='int8': attention and the head in int8, the router float (a quantized logit can change
-    which experts run), the experts float (not yet quantized); the top-1 token mostly unchanged."""
+def dequantized_reference(path: str, ids: np.ndarray) -> np.ndarray:
+    """transformers' logits with every weight int8 quantizes replaced by its int8 round trip: per output row
+    (the last dim of torch's [.., out, in] layout: linear layers, both tables, the stacked experts), the
+    router (`mlp.gate`) and the norms float."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
+                s = p.abs().amax(dim=-1, keepdim=True) / 127
+                p.copy_(torch.round(p / torch.where(s > 0, s, 1)).clamp(-127, 127) * s)
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp_layout", "ep"])
+def test_int8_quantization(moe_references, ep):
+    """quantization='int8': attention, the head and the stacked experts int8 per output channel (per expert,
+    per output row), loaded per device; the router float (a quantized logit can change which experts run).
+    Logits equal the int8-round-tripped transformers model's; the params take ~1/4 of the float bytes."""
+    import json
+    import jax
+    from tp_jax.loaders.model import abstract_model, param_bytes_per_device
     from tp_jax.parallel.layers import Int8, Unquantized
     ckpt, ids, logits, _ = moe_references["mixtral"]
-    llm = LLM(ckpt, tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True, quantization="int8",
+    llm = LLM(ckpt, tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=ep, quantization="int8",
               progress=False, compile_cache=False)
     layer = llm.model.model.layers.layers
+    experts = layer.mlp.experts
     assert isinstance(layer.self_attn.qkv_proj.method, Int8) and isinstance(layer.mlp.gate.method, Unquantized)
+    assert isinstance(experts.method, Int8)
+    for name, out in (("gate_up", 2 * 16), ("down", BASE["hidden_size"])):
+        q, s = getattr(experts, name)[...], getattr(experts, name + "_scale")[...]
+        assert q.dtype == jax.numpy.int8 and s.dtype == jax.numpy.float32 and s.shape[-1] == out
+        assert int(np.abs(np.asarray(q)).max()) == 127                   # each row's max maps to 127
     got = llm.get_logits(ids)
-    assert float(np.abs(got - logits).max()) > 0
-    assert (got.argmax(-1) == logits.argmax(-1)).mean() >= 0.85
+    diff = float(np.abs(got - dequantized_reference(ckpt, ids)).max())
+    assert diff <= 1e-4, f"max abs logit diff vs the int8 round trip {diff:.2e}"
+    quant_error = float(np.abs(got - logits).max())
+    assert quant_error > 10 * diff                                       # the quantization error is visible
+    int8_bytes = param_bytes_per_device(llm.model, llm.mesh)
+    float_bytes = param_bytes_per_device(abstract_model(llm.config, llm.mesh), llm.mesh)
+    assert int8_bytes < 0.45 * float_bytes, (int8_bytes, float_bytes)
+    print(json.dumps({"model": "tiny mixtral", "ep": ep, "bytes_per_device_float32": float_bytes,
+                      "bytes_per_device_int8": int8_bytes, "logit_diff_vs_round_trip": diff,
+                      "logit_diff_vs_float": quant_error}))

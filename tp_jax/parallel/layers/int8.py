@@ -7,6 +7,12 @@ W[out, in] ≈ Q * s[:, None] with s[o] = max_i |W[o, i]| / 127 and Q = round(W 
     <weight>_scale  float32 [out]: split with the output rows on a column layer and a vocab
                     table; whole on a row layer (every rank holds every output channel)
 
+Stacked experts (`Experts`, kind EXPERTS; `expert_params`) are quantized the same way, per expert
+and per output row: `gate_up` int8 `[E_slots, D, 2F]` with `gate_up_scale` float32 `[E_slots, 2F]`,
+`down` int8 `[E_slots, F, D]` with `down_scale` `[E_slots, D]` (the float params' kernel layout
+and split: over tp on the output rows / the input in the TP layout, whole experts over dp x tp
+under EP); the experts' dots are weight-only (int8 cast to the model's dtype, output scaled).
+
 A scale is the max over the *whole* row, whatever the split, so every tp gives the same Q
 and s (a row layer's rank reads its rows whole, one chunk at a time, and keeps its
 columns). Loading reads a rank's rows in chunks of about `CHUNK_BYTES` of float32, so no
@@ -30,9 +36,10 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from tp_jax.parallel.layers.loading import LazyTensor, ShardedParam, check_shape, take_rows
-from tp_jax.parallel.layers.method import (DerivedParam, LinearMethod, QuantizationError, WeightParam, fast_dot,
-                                           out_in, quantize_rows, tiled_matmul)
+from tp_jax.parallel.layers.loading import ExpertParam, LazyTensor, ShardedParam, check_shape, take_rows
+from tp_jax.parallel.layers.method import (EMBEDDING, EXPERTS, LINEAR, DerivedParam, LinearMethod, QuantizationError,
+                                           WeightParam, fast_dot, out_in, quantize_rows, tiled_matmul)
+from tp_jax.parallel.mesh import TP
 
 QMAX = 127
 CHUNK_BYTES = 16 * 2**20
@@ -44,6 +51,7 @@ class Int8(LinearMethod):
     (W8A8: per-token int8 activations, int32 accumulation). See the module docstring."""
     activations: str = "float"
     name: ClassVar[str] = "int8"
+    kinds: ClassVar[tuple[str, ...]] = (LINEAR, EMBEDDING, EXPERTS)
 
     def __post_init__(self):
         if self.activations not in ("float", "int8"):
@@ -67,6 +75,14 @@ class Int8(LinearMethod):
                              make=lambda r, t, n: per_channel_block(weight, r, t, n, int8_rows, "scale"))
         return {"": WeightParam(values, (out, inp), np.dtype(np.int8)),
                 "_scale": WeightParam(scale, (out,), np.dtype(np.float32))}
+
+    def expert_params(self, weight: ExpertParam, name: str, shape: tuple[int, ...]) -> dict[str, WeightParam]:
+        """The stacked experts' params for the float statement `weight` of global kernel `shape` [S, in, out]:
+        int8 values of that shape and layout, float32 scales [S, out] (per expert, per output row)."""
+        values = ExpertInt8Param(weight.parts, weight.split, False, reads=name, expert=weight, want="values")
+        scale = ExpertInt8Param(weight.parts, weight.split, False, reads=name, expert=weight, want="scale")
+        return {"": WeightParam(values, tuple(shape), np.dtype(np.int8)),
+                "_scale": WeightParam(scale, (shape[0], shape[-1]), np.dtype(np.float32))}
 
     def apply(self, layer, x):
         if self.activations == "int8":
@@ -113,3 +129,44 @@ def int8_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(invalid="ignore", divide="ignore"):
         q = np.where(ok[:, None], np.rint(rows / np.where(ok, scale, 1)[:, None]), 0)
     return np.clip(q, -QMAX, QMAX).astype(np.int8), scale
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertInt8Param(DerivedParam):
+    """The int8 values (`want="values"`, `[S, in, out]` like the float kernel) or the scales (`"scale"`,
+    `[S, out]`) of the stacked experts the float statement `expert` declares: each expert quantized per
+    output row by `per_channel_block`, a rank reading only its own experts (EP) or its own rows (TP)."""
+    expert: ExpertParam | None = None
+    want: str = "values"
+
+    @property
+    def param_dim(self) -> int | None:
+        if self.want == "values" or self.expert.slots is not None:
+            return self.expert.param_dim
+        return 1 if self.expert.split == 0 else None            # the output rows split over tp (TP layout)
+
+    def spec(self) -> tuple:
+        if self.want == "values":
+            return self.expert.spec()
+        return (self.expert.spec()[0], TP if self.expert.slots is None and self.expert.split == 0 else None)
+
+    def block(self, rank: int, tensors: Mapping[str, LazyTensor], names: Mapping[str, str] | None = None):
+        """Rank `rank`'s experts, stacked; padding slots are zeros (values and scales), nothing read for them."""
+        one, names, e_all = self.expert._expert(), names or {}, self.expert
+        experts = range(len(e_all.parts) // len(e_all.names)) if e_all.slots is None else e_all.slots[rank]
+        inner_rank = rank if e_all.slots is None else 0
+        shape = e_all._expert_shape(inner_rank)                  # [in_local, out_local]
+        out = []
+        for e in experts:
+            if e < 0:
+                out.append(np.zeros(shape if self.want == "values" else shape[-1:],
+                                    np.int8 if self.want == "values" else np.float32))
+                continue
+            keys = {n: f"{n}.{e}" for n in e_all.names}
+            missing = [k for k in keys.values() if k not in tensors]
+            if missing:
+                raise KeyError(f"missing weight part(s) {missing}")
+            b = per_channel_block(one, inner_rank, {n: tensors[k] for n, k in keys.items()},
+                                  {n: names.get(k, k) for n, k in keys.items()}, int8_rows, self.want)
+            out.append(b.T if self.want == "values" else b)      # values [out, in] -> the kernel's [in, out]
+        return np.stack(out)

@@ -38,7 +38,7 @@ import numpy as np
 from tp_jax.parallel.layers.loading import LazyTensor, ShardedParam
 from tp_jax.parallel.mesh import TP
 
-LINEAR, EMBEDDING = "linear", "embedding"          # the kinds of weight a layer holds
+LINEAR, EMBEDDING, EXPERTS = "linear", "embedding", "experts"   # the kinds of weight a layer holds
 
 
 class QuantizationError(ValueError):

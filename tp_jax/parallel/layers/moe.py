@@ -38,8 +38,8 @@ from flax import nnx
 from tp_jax.parallel import collectives
 from tp_jax.parallel.layers.base import ParallelModule, check_tp_size, default_kernel_init
 from tp_jax.parallel.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from tp_jax.parallel.layers.loading import ExpertParam, PartRows, contiguous_rows
-from tp_jax.parallel.layers.method import Unquantized
+from tp_jax.parallel.layers.loading import ExpertParam, PartRows, ShardedParam, contiguous_rows
+from tp_jax.parallel.layers.method import EXPERTS, UNQUANTIZED, LinearMethod, Unquantized, UnsupportedLayerError
 from tp_jax.parallel.mesh import DP, TP
 
 DISPATCHES = ("auto", "gather", "ragged", "dense")
@@ -62,7 +62,11 @@ class Experts(ParallelModule):
     Args: `num_experts` E, `hidden_size` D, `intermediate_size` F (one expert's), `tp_size`,
     `ep_size` (None: the TP layout; k: whole experts over k = dp * tp ranks), `dtype`, `rngs`.
     Checkpoint parts per expert e: "gate.e", "up.e" `[F, D]` and "down.e" `[D, F]` (torch layout).
+    `method`: `Unquantized` (the float kernels) or, after `use_method(Int8())`, int8 kernels of the same
+    shapes with per-expert output-channel scales `gate_up_scale[E_slots, 2F_local]`, `down_scale[E_slots, D]`
+    (layers/int8.py); the loader picks it like a linear layer's (kind EXPERTS).
     """
+    weight_name, weight_kind = "gate_up", EXPERTS
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp_size: int = 1,
                  ep_size: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
@@ -79,8 +83,9 @@ class Experts(ParallelModule):
         else:
             self.slots = tuple(map(tuple, expert_slots(num_experts, ep_size).tolist()))
             self.local_experts = len(self.slots[0])
+        self.method, self.param_dtype = UNQUANTIZED, jnp.dtype(dtype)
         init = default_kernel_init()
-        for name, decl in self.loading().items():
+        for name, decl in self.statements().items():
             shape = self._global_shape(name)
             setattr(self, name, nnx.Param(init(rngs.params(), shape, dtype), out_sharding=decl.spec()))
 
@@ -89,7 +94,35 @@ class Experts(ParallelModule):
         d, f = self.hidden_size, self.intermediate_size
         return (slots, d, 2 * f) if name == "gate_up" else (slots, f, d)
 
-    def loading(self) -> dict[str, ExpertParam]:
+    def loading(self) -> dict[str, ShardedParam]:
+        """The float statements, or, under a method (int8), the params it derives from them (values, scales)."""
+        decl = self.statements()
+        if isinstance(self.method, Unquantized):
+            return decl
+        return {name + suffix: p.decl for name, d in decl.items()
+                for suffix, p in self.method.expert_params(d, name, self._global_shape(name)).items()}
+
+    def use_method(self, method: LinearMethod) -> None:
+        """Re-create the experts' params for `method` (int8) on a built (abstract) model, as
+        `MethodLayer.use_method` does: leading axes a `Stack` added are kept; the new params hold zeros."""
+        decl = self.statements()
+        method.check(self, decl[self.weight_name])
+        if not hasattr(method, "expert_params"):
+            raise UnsupportedLayerError(f"{method.describe()} cannot hold stacked experts; leave them float")
+        for name, d in decl.items():
+            first = getattr(self, name)
+            lead = first[...].ndim - 3
+            lead_shape, lead_spec = tuple(first[...].shape[:lead]), tuple(first.get_metadata()["out_sharding"][:lead])
+            for suffix in ("", "_scale"):
+                if hasattr(self, name + suffix):
+                    delattr(self, name + suffix)
+            for suffix, p in method.expert_params(d, name, self._global_shape(name)).items():
+                setattr(self, name + suffix, nnx.Param(jnp.zeros(lead_shape + p.shape, p.dtype),
+                                                       out_sharding=lead_spec + p.decl.spec()))
+        self.method = method
+
+    def statements(self) -> dict[str, ExpertParam]:
+        """The one statement of each float param's split (gate_up, down) over tp, or over dp x tp under EP."""
         d, f, tp = self.hidden_size, self.intermediate_size, self.tp_size
         if self.slots is None:
             tp_rows = contiguous_rows(f, tp)
@@ -110,8 +143,8 @@ class Experts(ParallelModule):
         ranks = self.tp_size if self.slots is None else len(self.slots)
         out = {}
         for name, decl in self.loading().items():
-            blocks = [decl.block(r, tensors[name]) for r in range(ranks)]
-            out[name] = np.concatenate(blocks, axis=decl.param_dim)
+            blocks = [decl.block(r, tensors[getattr(decl, "reads", "") or name]) for r in range(ranks)]
+            out[name] = blocks[0] if decl.param_dim is None else np.concatenate(blocks, axis=decl.param_dim)
         return out
 
     def local_slot(self, experts: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -141,12 +174,27 @@ class Experts(ParallelModule):
 
     def _swiglu(self, h: jax.Array) -> jax.Array:
         g, u = jnp.split(h, 2, axis=-1)
-        return (jax.nn.silu(g) * u).astype(self.gate_up[...].dtype)
+        return (jax.nn.silu(g) * u).astype(self.param_dtype)
+
+    def _kernel(self, name: str, slot: jax.Array | None = None) -> jax.Array:
+        """This rank's stacked kernel `name` (its experts `slot`, or all), in the model's dtype (int8 cast)."""
+        w = getattr(self, name)[...]
+        return (w if slot is None else w[slot]).astype(self.param_dtype)
+
+    def _scaled(self, y: jax.Array, name: str, slot: jax.Array | None = None) -> jax.Array:
+        """y [..., out] (slot given: one row per slot) times the per-expert output-channel scales of an int8
+        kernel (exact for per-output-channel scales); unchanged for a float one."""
+        if isinstance(self.method, Unquantized):
+            return y
+        s = getattr(self, name + "_scale")[...]                                  # [E_local, out]
+        return y * (s[slot] if slot is not None else s[:, None, :])
 
     def _gather(self, x, slot, held, w, k):
         xs = jnp.repeat(x, k, axis=0)                                           # [A, D], token-major
-        h = jnp.einsum("ad,adf->af", xs, self.gate_up[...][slot], preferred_element_type=jnp.float32)
-        o = jnp.einsum("af,afd->ad", self._swiglu(h), self.down[...][slot], preferred_element_type=jnp.float32)
+        h = jnp.einsum("ad,adf->af", xs, self._kernel("gate_up", slot), preferred_element_type=jnp.float32)
+        h = self._scaled(h, "gate_up", slot)
+        o = jnp.einsum("af,afd->ad", self._swiglu(h), self._kernel("down", slot), preferred_element_type=jnp.float32)
+        o = self._scaled(o, "down", slot)
         return (o * w[:, None]).reshape(-1, k, o.shape[-1]).sum(axis=1)
 
     def _dense(self, x, slot, held, w, k):
@@ -155,8 +203,11 @@ class Experts(ParallelModule):
         m = x.shape[0]
         route = jnp.zeros((m, self.local_experts), jnp.float32).at[jnp.repeat(jnp.arange(m), k), slot].add(w)
         xe = jnp.broadcast_to(x, (self.local_experts, *x.shape))               # batched form: XLA:CPU's
-        h = jnp.einsum("emd,edf->emf", xe, self.gate_up[...], preferred_element_type=jnp.float32)  # md,edf is 8x slower
-        o = jnp.einsum("emf,efd->emd", self._swiglu(h), self.down[...], preferred_element_type=jnp.float32)
+        h = jnp.einsum("emd,edf->emf", xe, self._kernel("gate_up"),          # (md,edf is 8x slower)
+                       preferred_element_type=jnp.float32)
+        o = jnp.einsum("emf,efd->emd", self._swiglu(self._scaled(h, "gate_up")), self._kernel("down"),
+                       preferred_element_type=jnp.float32)
+        o = self._scaled(o, "down")
         return jnp.einsum("emd,me->md", o, route)
 
     def _ragged(self, x, slot, held, w, k):
@@ -165,8 +216,11 @@ class Experts(ParallelModule):
         sizes = jnp.bincount(key, length=self.local_experts + 1)[:self.local_experts].astype(jnp.int32)
         tok = order // k
         xs = x[tok]                                                             # [A, D], expert-sorted
-        h = jax.lax.ragged_dot(xs, self.gate_up[...], sizes, preferred_element_type=jnp.float32)
-        o = jax.lax.ragged_dot(self._swiglu(h), self.down[...], sizes, preferred_element_type=jnp.float32)
+        sorted_slot = jnp.where(held, slot, 0)[order]
+        h = jax.lax.ragged_dot(xs, self._kernel("gate_up"), sizes, preferred_element_type=jnp.float32)
+        h = self._scaled(h, "gate_up", sorted_slot)
+        o = jax.lax.ragged_dot(self._swiglu(h), self._kernel("down"), sizes, preferred_element_type=jnp.float32)
+        o = self._scaled(o, "down", sorted_slot)
         o = jnp.where(held[order][:, None], o, 0.0) * w[order][:, None]
         return jnp.zeros((x.shape[0], o.shape[-1]), jnp.float32).at[tok].add(o)
 

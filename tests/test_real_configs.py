@@ -121,11 +121,13 @@ def test_published_config_loads_and_builds_at_tp8(name, tmp_path):
     rows = single.model.embed_tokens.embedding.get_value().shape[0]       # vocab padded to a multiple of 64
     padding = (rows - cfg.vocab_size) * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     assert param_count(single) == expected + padding
-    if hasattr(cfg, "rope"):
+    if cfg.rope is None:                                                  # learned positions, no rotary
+        assert hf.model_type == "gpt2" and cfg.learned_positions
+    else:
         assert (cfg.rope.theta, cfg.rope.type) == (hf.rope_parameters["rope_theta"], hf.rope_parameters["rope_type"])
-        sliding = [t == "sliding_attention" for t in getattr(hf, "layer_types", None) or []]
-        window = hf.sliding_window if (hf.model_type == "mistral" or any(sliding)) else None
-        assert cfg.sliding_window == window
+    sliding = [t == "sliding_attention" for t in getattr(hf, "layer_types", None) or []]
+    window = hf.sliding_window if (hf.model_type == "mistral" or any(sliding)) else None
+    assert cfg.sliding_window == window
     eight = make_mesh(tp=8, devices=jax.devices()[:8])
     model = abstract_model(cfg, eight, dtype=jax.numpy.bfloat16)
     total, per_dev = per_device_bytes(model, eight)

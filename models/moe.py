@@ -36,7 +36,7 @@ class MoEConfig(DecoderConfig):
     (one expert's width), norm_topk_prob (renormalize the top-k weights), shared_expert_intermediate_size
     (a sigmoid-gated shared expert, Qwen2-MoE; None: none), enable_expert_parallel (whole experts on
     the dp x tp devices), data_parallel_size (the mesh's dp, set by the loader), moe_dispatch
-    ("auto", "gather", "ragged").
+    (`DISPATCHES`: "auto", "gather", "ragged", "dense").
     """
     num_experts: int
     num_experts_per_tok: int

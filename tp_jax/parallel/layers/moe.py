@@ -240,7 +240,7 @@ class FusedMoE(nnx.Module):
       shared_intermediate_size: a dense shared expert of this width gated by sigmoid(x W_s)
         (Qwen2-MoE), or None.
       tp_size, dp_size: the mesh's tp and dp. expert_parallel: whole experts on the dp x tp ranks.
-      dispatch: "auto", "gather" or "ragged" (see the module doc).
+      dispatch: "auto", "gather", "ragged" or "dense" (see the module doc).
     Called on local tokens x[..., D] (dp-sharded, replicated over tp) -> y[..., D] the same way.
     Submodules: `gate` (router `[E, D]`), `experts` (`Experts`), `shared_expert` (gate_up_proj,
     down_proj) and `shared_expert_gate` `[1, D]`.

@@ -3,17 +3,18 @@
     plan_methods(model, table, source, num_layers, quantization) -> {module path: LinearMethod}
 
 `quantization`: None or "none" (every weight float, as stored or dequantized), a registered name
-("bf16", "int8", "w8a8", "gguf", "gguf_bf16", "gguf_int8"; `tp_jax.parallel.layers.quantization`),
+("bf16", "int8", "w8a8", "w8a8x2", "gguf", "gguf_bf16", "gguf_int8"; `tp_jax.parallel.layers.quantization`),
 or "auto", which picks by checkpoint and platform (`auto_choice`, measured in docs/performance.md):
 
-* a GGUF file whose linear or vocab weights are quantized: its blocks kept, with the
-  platform's fast dot on CPU ("gguf_bf16": bf16 dots accumulated in float32), in the
-  model's dtype elsewhere ("gguf");
+* a GGUF file whose linear or vocab weights are quantized: on CPU "w8a8x2" (the weights
+  int8 per output row, activations as two int8 digits: int8 x int8 -> int32 dots, XLA:CPU's
+  fastest; SmolLM2 +1.5% perplexity against the file's float32 weights), elsewhere its blocks
+  kept with dots in the model's dtype ("gguf");
 * any other checkpoint: None, the float weights in the run's dtype (float32 on CPU, bit for
-  bit; bf16 on accelerators). On CPU "bf16" measured slower than float32 inside the layer
-  scan and "w8a8" over the 2% perplexity bound on SmolLM2: both are there to ask for.
+  bit; bf16 on accelerators). A float checkpoint's numbers change only when asked
+  ("w8a8x2", "int8", "bf16", ...).
 
-Under "auto" a layer that cannot be kept quantized (a type not kept: K-quants, Q5_*; a tp that
+Where "auto" keeps the blocks, a layer that cannot be kept quantized (a type not kept: K-quants, Q5_*; a tp that
 cuts its 32-element blocks) loads dequantized to float, with one warning naming those
 layers; naming "gguf" explicitly makes each of them an error.
 
@@ -91,12 +92,12 @@ def _strict(name: str, weights: list[Binding], source, num_layers: int) -> dict[
     return plan
 
 
-AUTO_GGUF = {"cpu": "gguf_bf16"}             # platform -> the GGUF dot "auto" picks (others: "gguf")
+AUTO_GGUF = {"cpu": "w8a8x2"}                # platform -> what "auto" picks for a quantized GGUF (others: "gguf")
 
 
 def auto_choice(quant_types: set[str | None], platform: str) -> str | None:
     """The configuration "auto" picks for a checkpoint whose weights have GGUF types `quant_types` (None: not a
-    GGUF tensor) on `platform` (jax's backend name): the kept blocks for quantized GGUF weights, else None."""
+    GGUF tensor) on `platform` (jax's backend name): `AUTO_GGUF`'s for quantized GGUF weights, else None."""
     if any(q not in (None, *FLOAT_TYPES) for q in quant_types):
         return AUTO_GGUF.get(platform, "gguf")
     return None

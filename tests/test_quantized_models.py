@@ -26,7 +26,7 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (3, 2, 1), (4, 1, 1), (8, 1, 1), (2, 1, 2)]    
 GREEDY_LAYOUTS = [(1, 1, 1), (3, 2, 1), (2, 1, 2)]                                # engine runs cost more
 INT8_VARIANTS = ["h9kv3", "tied", "bias"]        # padded heads + vocab 1001; one tied table; biases stay float
 PROMPTS = [[5, 17, 300, 42], [7, 7, 900], [1, 2, 3, 4, 5, 6]]
-CHOICES = "['auto', 'none', 'bf16', 'gguf', 'gguf_bf16', 'gguf_int8', 'int8', 'w8a8']"
+CHOICES = "['auto', 'none', 'bf16', 'gguf', 'gguf_bf16', 'gguf_int8', 'int8', 'w8a8', 'w8a8x2']"
 CLOSER = 50              # quantized vs its reference must be this much closer than vs the float model
 
 
@@ -224,7 +224,7 @@ def test_gguf_kept_load_dequantizes_nothing(tiny_gguf, monkeypatch):
     from tp_jax.loaders import gguf as gguf_loader
     monkeypatch.setattr(gguf.quants, "dequantize", refuse)
     monkeypatch.setattr(gguf_loader, "dequantize_raw", refuse)          # the float path's Q8_0 / Q4_* pass
-    assert load(tiny_gguf[0], (2, 1, 1)).quantization.startswith("gguf Q4_0")     # auto: whatever its dot
+    assert load(tiny_gguf[0], (2, 1, 1), quantization="gguf_bf16").quantization.startswith("gguf Q4_0")
     assert load(tiny_gguf[0], (2, 1, 1), quantization="gguf").quantization == "gguf Q4_0, gguf Q4_1, gguf Q8_0"
     with pytest.raises(AssertionError, match="dequantized at load"):            # the float path does
         load(tiny_gguf[0], (2, 1, 1), quantization=None)
@@ -253,17 +253,35 @@ def test_gguf_type_not_kept_is_named(q5_down_file):
         LLM(q5_down_file, quantization="gguf", progress=False)
 
 
-def test_auto_loads_a_type_not_kept_as_float_with_a_warning(q5_down_file):
+def test_auto_loads_a_type_not_kept_as_float_with_a_warning(q5_down_file, monkeypatch):
+    """Where "auto" keeps a GGUF's blocks (accelerators; here forced on CPU), a Q5_0 layer loads as float."""
+    from tp_jax.loaders import quantize
+    monkeypatch.setitem(quantize.AUTO_GGUF, jax.default_backend(), "gguf_bf16")
     with pytest.warns(UserWarning, match=r"quantization='auto': 1 param loaded dequantized to float instead of "
                                          r"kept quantized:\n  model.layers.layers.mlp.down_proj.kernel: .* Q5_0"):
         auto = LLM(q5_down_file, progress=False)
-    assert auto.quantization == ("gguf Q4_0 (bf16 dot)" if jax.default_backend() == "cpu" else "gguf Q4_0")
+    assert auto.quantization == "gguf Q4_0 (bf16 dot)"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fp = LLM(q5_down_file, quantization=None, progress=False)
     ids = np.arange(1, 9)[None] % 32
     got, want = auto.get_logits(ids), fp.get_logits(ids)
     assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()      # the bf16 dot's bound (tests/test_fast_dots.py)
+
+
+def test_auto_on_cpu_makes_every_gguf_type_int8(q5_down_file):
+    """On CPU "auto" is W8A8 with two activation digits: every layer, the Q5_0 one too, int8 per output row, no
+    warning; its logits are the weight-only int8 model's (exact int8 weights, float activations; tested against
+    transformers above: test_int8_matches_transformers_on_its_weights_at_every_layout) within the two digits' rounding."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("auto picks w8a8x2 on CPU only")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto = LLM(q5_down_file, progress=False)
+    assert auto.quantization == "w8a8x2"
+    ids = np.arange(1, 9)[None] % 32
+    got, want = auto.get_logits(ids), LLM(q5_down_file, quantization="int8", progress=False).get_logits(ids)
+    assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
 
 
 def test_gguf_on_a_float_checkpoint_is_refused(int8_refs):

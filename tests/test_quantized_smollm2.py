@@ -1,11 +1,12 @@
-"""SmolLM2-135M quantized: its GGUF's Q4_1 / Q8_0 blocks kept (float32 dots, and the default "auto": on
-CPU bf16 dots), and int8 / W8A8 from the float32 safetensors copy, against the float32 model (the GGUF
+"""SmolLM2-135M quantized: its GGUF's Q4_1 / Q8_0 blocks kept (float32 dots), the default "auto" (on CPU
+W8A8 with two activation digits, from the GGUF), and int8 / W8A8 from the float32 safetensors copy, against the float32 model (the GGUF
 dequantized) on a fixed text: perplexity, greedy agreement and bytes, the figures the issues ask for.
 
 (The kept blocks with float32 dots are golden-tested against transformers at every tp in
 tests/test_smollm2.py, with quantization="gguf".)
 """
 
+import jax
 import numpy as np
 import pytest
 
@@ -65,8 +66,9 @@ def test_perplexity_greedy_agreement_and_bytes(runs, text_ids):
     assert runs["gguf"][0].quantization == "gguf Q4_1, gguf Q8_0"
     assert runs["gguf"][2] == fp_tokens                  # the same weights, dequantized inside the GEMM
     assert abs(figures["gguf"][0] - 1) <= 0.02 and figures["gguf"][1] <= 0.2
-    assert abs(figures["default"][0] - 1) <= 0.02 and figures["default"][1] <= 0.2     # the default path's bound
-    assert agreement(runs["default"][2], fp_tokens) >= 0.9        # measured 1.00 with bf16 dots
+    assert runs["default"][0].quantization == ("w8a8x2" if jax.default_backend() == "cpu" else "gguf Q4_1, gguf Q8_0")
+    assert abs(figures["default"][0] - 1) <= 0.02 and figures["default"][1] <= 0.3     # the default path's bound
+    assert agreement(runs["default"][2], fp_tokens) >= 0.5        # reported; int8 weights flip near-ties
     assert abs(figures["int8"][0] - 1) <= 0.02 and figures["int8"][1] <= 0.3
     assert abs(figures["w8a8"][0] - 1) <= 0.08                    # measured +4.7%: why it is not a default
 

@@ -98,14 +98,26 @@ def test_cached_decode_matches_full_forward(smollm2_path, tok):
 
 
 def test_readme_run_command(smollm2_hf, tok):
-    """`make generate` runs this: SmolLM2 at tp = 8 on 8 simulated devices, greedy, 32 tokens."""
+    """`make generate` runs this: SmolLM2 at tp = 8 on 8 simulated devices, greedy, 32 tokens, the default
+    quantization ("auto"), whose text is transformers' on the weights it holds: on CPU every 2-D weight int8 per
+    output row (W8A8 with two activation digits, ~15 bits: their rounding changes no greedy token here)."""
+    import copy
     import os
     import subprocess
     import sys
+    import jax
     import torch
+    from tests.quant_models import int8_dequantized
     ids = tok.encode("Once upon a time")
+    model = smollm2_hf
+    if jax.default_backend() == "cpu":
+        model = copy.deepcopy(smollm2_hf)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 2:                                          # the linear weights and the (tied) table
+                    p.copy_(torch.from_numpy(int8_dequantized(p.numpy())))
     with torch.no_grad():
-        ref = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=2)
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=2)
     expected = tok.decode(ref[0, len(ids):], skip_special_tokens=True)
     r = subprocess.run([sys.executable, "scripts/generate.py", "--simulate-devices", "8", "--tp", "8", "--prompt",
                         "Once upon a time", "--max-tokens", "32"], capture_output=True, text=True, timeout=600,

@@ -61,6 +61,12 @@ class W8A8Config(Int8Config):
     activations: ClassVar[str] = "int8"
 
 
+class W8A8x2Config(W8A8Config):
+    """`Int8(activations="int8x2")`: int8 weights, activations as two int8 digits per token (~15 bits), one int8 dot."""
+    name: ClassVar[str] = "w8a8x2"
+    activations: ClassVar[str] = "int8x2"
+
+
 class GGUFConfig(QuantizationConfig):
     """`GGUFBlocks(type, dot)` where a GGUF file stores the weight as Q8_0 / Q4_0 / Q4_1; float tensors stay float.
 
@@ -108,7 +114,7 @@ class GGUFInt8Config(GGUFConfig):
 
 
 QUANTIZATIONS: dict[str, type[QuantizationConfig]] = {
-    "bf16": Bfloat16Config, "int8": Int8Config, "w8a8": W8A8Config,
+    "bf16": Bfloat16Config, "int8": Int8Config, "w8a8": W8A8Config, "w8a8x2": W8A8x2Config,
     "gguf": GGUFConfig, "gguf_bf16": GGUFBf16Config, "gguf_int8": GGUFInt8Config}
 
 

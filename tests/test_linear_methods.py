@@ -204,7 +204,8 @@ def test_hlo_same_collectives_as_float(name, tp):
 
 def test_unknown_method_name_lists_the_choices():
     with pytest.raises(QuantizationError, match=r"unknown quantization method 'int4'; choose one of \['auto', "
-                                                r"'none', 'bf16', 'gguf', 'gguf_bf16', 'gguf_int8', 'int8', 'w8a8', 'w8a8x2'\]"):
+                                                r"'none', 'bf16', 'gguf', 'gguf_bf16', 'gguf_int8', 'int8', 'w8a8', "
+                                                r"'w8a8x2'\]"):
         quantization_config("int4")
     with pytest.raises(QuantizationError, match=r"GGUF quant type 'Q5_0' is not kept quantized; kept: "
                                                 r"\['Q8_0', 'Q4_0', 'Q4_1'\]"):

@@ -272,7 +272,7 @@ def test_auto_loads_a_type_not_kept_as_float_with_a_warning(q5_down_file, monkey
 def test_auto_on_cpu_makes_every_gguf_type_int8(q5_down_file):
     """On CPU "auto" is W8A8 with two activation digits: every layer, the Q5_0 one too, int8 per output row, no
     warning; its logits are the weight-only int8 model's (exact int8 weights, float activations; tested against
-    transformers above: test_int8_matches_transformers_on_its_weights_at_every_layout) within the two digits' rounding."""
+    transformers in test_int8_matches_transformers_on_its_weights_at_every_layout) within the digits' rounding."""
     if jax.default_backend() != "cpu":
         pytest.skip("auto picks w8a8x2 on CPU only")
     with warnings.catch_warnings():

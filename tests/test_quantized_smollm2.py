@@ -1,6 +1,7 @@
 """SmolLM2-135M quantized: its GGUF's Q4_1 / Q8_0 blocks kept (float32 dots), the default "auto" (on CPU
 W8A8 with two activation digits, from the GGUF), and int8 / W8A8 from the float32 safetensors copy, against
-the float32 model (the GGUF dequantized) on a fixed text: perplexity, greedy agreement and bytes, the figures the issues ask for.
+the float32 model (the GGUF dequantized) on a fixed text: perplexity, greedy agreement and bytes, the figures
+the issues ask for.
 
 (The kept blocks with float32 dots are golden-tested against transformers at every tp in
 tests/test_smollm2.py, with quantization="gguf".)

@@ -125,7 +125,9 @@ def per_channel_block(weight: ShardedParam, rank: int, tensors: Mapping[str, Laz
     `quantize_rows(rows)`: float32 `[c, in]` whole rows -> (values `[c, in]`, scales `[c]`).
     Each part's output rows of this rank are read whole (every input column) in chunks of
     about `CHUNK_BYTES`, so a scale always sees its full row and no float copy of a whole
-    tensor exists; a row split then keeps the rank's input columns of the values.
+    tensor exists; a row split then keeps the rank's input columns of the values. The last
+    quantized rows are kept (int8, `_LAST`): the values and the scales of a rank, and every
+    rank of a row split (which all read every row), are quantized once.
     """
     out = []
     for part, spec in weight.parts.items():
@@ -133,12 +135,27 @@ def per_channel_block(weight: ShardedParam, rank: int, tensors: Mapping[str, Laz
         check_shape(names.get(part, part), tuple(t.shape), spec.hf_shape)
         out_rows = spec.rows[rank] if weight.split == 0 else np.arange(spec.hf_shape[0])
         cols = spec.rows[rank] if weight.split == 1 else None
-        per_chunk = max(1, CHUNK_BYTES // (4 * spec.hf_shape[1]))
-        for start in range(0, len(out_rows), per_chunk):
-            slab = np.asarray(take_rows(t, out_rows[start:start + per_chunk], 0), np.float32)  # zeros: padding
-            values, scale = quantize_rows(slab)
-            out.append(scale if want == "scale" else values if cols is None else take_rows(values, cols, 1))
+        values, scale = _quantized_rows(t, out_rows, spec.hf_shape[1], quantize_rows)
+        out.append(scale if want == "scale" else values if cols is None else take_rows(values, cols, 1))
     return np.concatenate(out, axis=0)
+
+
+_LAST: list = [None, None]                    # [(tensor, rows key, quantizer), (values, scales)]
+
+
+def _quantized_rows(t: LazyTensor, rows: np.ndarray, width: int, quantize_rows) -> tuple[np.ndarray, np.ndarray]:
+    """`quantize_rows` of tensor `t`'s `rows`, read in chunks of ~`CHUNK_BYTES` of float32; the last answer kept
+    (the key holds `t` itself, so its id cannot be reused while kept)."""
+    key = (t, rows.tobytes(), quantize_rows)
+    last = _LAST[0]
+    if last is not None and last[0] is t and last[1] == key[1] and last[2] is quantize_rows:
+        return _LAST[1]
+    per_chunk = max(1, CHUNK_BYTES // (4 * width))
+    parts = [quantize_rows(np.asarray(take_rows(t, rows[start:start + per_chunk], 0), np.float32))  # zeros: padding
+             for start in range(0, len(rows), per_chunk)]
+    answer = (np.concatenate([v for v, _ in parts]), np.concatenate([s for _, s in parts]))
+    _LAST[:] = [key, answer]
+    return answer
 
 
 def int8_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -3,11 +3,12 @@
 import os
 
 
-def load_hf_model(path: str, **kwargs):
-    """AutoModelForCausalLM in float32 on torch CPU, eval mode; GGUF files through transformers' GGUF reader."""
+def load_hf_model(path: str, dtype: str = "float32", **kwargs):
+    """AutoModelForCausalLM in `dtype` (float32 by default) on torch CPU, eval mode; GGUF files through
+    transformers' GGUF reader."""
     import torch
     from transformers import AutoModelForCausalLM
     if path.endswith(".gguf"):
         kwargs["gguf_file"] = os.path.basename(path)
         path = os.path.dirname(path)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kwargs).eval()

@@ -68,9 +68,10 @@ class LLM:
     jax.nn.dot_product_attention, cuDNN on GPUs); unroll_layers (True: one array per layer and
     the layers unrolled in each step, no per-layer weight copies; faster decode on XLA:CPU, about
     10x the compile time per step shape, which the compile cache keeps; see docs/performance.md);
-    quantization ("auto": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights stay quantized, on CPU with
-    bf16 dots, other checkpoints load as stored; "int8": weight-only int8 per output channel,
-    quantized per device at load; "w8a8": int8 weights and per-token int8 activations; "bf16":
+    quantization ("auto": a quantized GGUF file becomes "w8a8x2" on CPU and keeps its Q8_0 /
+    Q4_0 / Q4_1 blocks elsewhere, other checkpoints load as stored; "int8": weight-only int8 per
+    output channel, quantized per device at load; "w8a8": int8 weights and per-token int8
+    activations; "w8a8x2": int8 weights, activations as two int8 digits (~15 bits); "bf16":
     bf16 weights, bf16 x bf16 -> float32 dots; "gguf": keep GGUF blocks, float32 dots, an error
     if a type cannot be kept; "gguf_bf16" / "gguf_int8": the same blocks, bf16 / per-block int8
     dots; None or "none": every weight in float; see docs/quantization.md). `.quantization`

@@ -39,20 +39,6 @@ def mesh(request):
     return mesh_for(*request.param)
 
 
-# The files that take longest (worker seconds of a local run, most first). pytest-xdist's `--dist loadfile`
-# hands whole files to the workers in collection order (with --no-loadscope-reorder, set in pyproject.toml; by
-# default it sorts files by their number of tests instead): these go first, so no long file starts near the
-# end while the other worker sits idle, and the many short files fill both workers' tails.
-LONGEST_FIRST = ["test_pipeline.py", "test_moe_models.py", "test_smollm2.py", "test_serving.py", "test_moe.py",
-                 "test_multihost.py", "test_quantized_smollm2.py", "test_quantized_models.py", "test_engine.py",
-                 "test_gguf.py", "test_structured.py", "test_lm_eval.py"]
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))      # stable: the rest keep their order
-
-
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {len(jax.devices())} x {jax.devices()[0].platform}"
 

@@ -115,8 +115,9 @@ def test_unrolled_layers_match(deep, workload_refs, dp, pp, tp):
     assert float(np.abs(logits - ref).max()) <= 1e-4
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
     if dp * pp * tp > 1:                             # continuous batching on the unrolled stack
-        work, hf, alone = workload_refs
-        assert run_workload(llm.engine, work) == alone
+        work, _, alone = workload_refs               # the first 4 requests: 2 join while others run, one sampled,
+        part = work[:4]                              # one over 2 blocks (an unrolled shape compiles ~10x slower)
+        assert run_workload(llm.engine, part) == {rid: alone[rid] for rid, *_ in part}
     hlo, scanned_hlo = step_hlo(llm), step_hlo(scanned)
     layers_per_stage = len(llm.model.layer_map) // pp
     assert loop_bodies(hlo) == []

@@ -1,5 +1,6 @@
 """Continuous batching on the real engine (tiny model): arrival order, preemption, prefix caching,
-abort, no leaked blocks over 1,000 requests, n > 1, fresh randomness, the asyncio wrapper, bad input.
+abort, no leaked blocks over 500 requests (some aborted, some preempted), n > 1, fresh randomness, the asyncio
+wrapper, bad input.
 Exactness at every (dp, pp, tp) factorization is in test_pipeline.py."""
 
 import asyncio
@@ -91,12 +92,16 @@ def test_abort_frees_the_request_blocks(llm):
     assert used_blocks(llm) == 0
 
 
-def test_a_thousand_requests_leak_no_blocks(path):
-    llm = LLM(path, max_num_seqs=64, num_gpu_blocks=40, block_size=4, max_model_len=64, progress=False)
+def test_hundreds_of_requests_with_aborts_and_preemptions_leak_no_blocks(path):
+    """500 requests, random lengths and arrivals, a fifth of the steps abort one, a pool small enough to preempt:
+    afterwards every block, penalty slot and request record is free. 4 rows and 16 tokens a step keep the compiled
+    shapes to about a dozen (1,000 requests with up to 64 rows a step compiled 26 and never preempted)."""
+    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, num_gpu_blocks=8, block_size=4, max_model_len=16,
+              progress=False)
     engine, rng = llm.engine, np.random.default_rng(9)
-    done, aborted, added = set(), set(), 0
-    while added < 1000 or engine.has_unfinished():
-        for _ in range(min(int(rng.integers(0, 40)), 1000 - added)):
+    done, aborted, added, total = set(), set(), 0, 500
+    while added < total or engine.has_unfinished():
+        for _ in range(min(int(rng.integers(0, 40)), total - added)):
             engine.add_request(f"q{added}", rng.integers(0, 1000, int(rng.integers(1, 12))).tolist(),
                                SamplingParams(max_tokens=int(rng.integers(1, 5)), temperature=0.0))
             added += 1
@@ -107,8 +112,9 @@ def test_a_thousand_requests_leak_no_blocks(path):
             victim = sorted(engine.processor.states)[0]
             engine.abort(victim)
             aborted.add(victim)
-    assert len(done | aborted) == 1000 and not (done & aborted)
+    assert len(done | aborted) == total and not (done & aborted) and aborted
     core = engine.core
+    assert core.stats["preemptions"] > 0
     assert used_blocks(llm) == 0 and not core.requests and core.scheduler.num_running == 0
     bm = core.scheduler.blocks[0]
     assert sorted(bm.free_queue) == list(range(bm.num_blocks)) and not bm.tables

@@ -20,6 +20,9 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "and the cost of books fell sharply, which changed how people learned.")
 GREEDY_PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 LIMIT = 1e-3
+# greedy tokens per prompt in the tp sweeps: the cached decode path past one 16-token block; the logits of 64
+# positions are compared too (decode costs ~0.4 s a step at tp = 8 on 2 cores: 32 tokens doubled it)
+GREEDY_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def reference(smollm2_hf, tok, prompt64):
         greedy = []
         for p in GREEDY_PROMPTS:
             ids = torch.tensor([tok.encode(p)])
-            out = smollm2_hf.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+            out = smollm2_hf.generate(ids, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, do_sample=False,
                                       eos_token_id=None, pad_token_id=2)
             greedy.append(out[0, ids.shape[1]:].tolist())
     return logits, greedy
@@ -55,7 +58,7 @@ def check(llm, tok, prompt64, reference):
     diff = float(np.abs(got - logits).max())
     assert diff <= LIMIT, f"max abs logit diff {diff:.2e}"
     outs = llm.generate([tok.encode(p) for p in GREEDY_PROMPTS],
-                        SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+                        SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True))
     for out, ref in zip(outs, greedy):
         assert out.outputs[0].token_ids == ref
     return diff

@@ -32,16 +32,18 @@ GGUF_TYPES = {"embed_tokens.weight": QT.Q8_0, "lm_head.weight": QT.Q4_0, "q_proj
               "gate_proj.weight": QT.Q4_1, "up_proj.weight": QT.Q4_1, "down_proj.weight": QT.Q8_0}
 
 
-def int8_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(Q int8 [out, in], s float32 [out]) with W ~ Q * s[:, None]; an all-zero row gets s = 0, Q = 0."""
-    w = np.asarray(w, np.float64)
-    s = np.abs(w).max(axis=1) / 127
+def int8_reference(w: np.ndarray, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """(Q int8 [out, in], s float32 [out]) with W ~ Q * s[:, None]; an all-zero row gets s = 0, Q = 0.
+    `dtype`: the arithmetic of s and W / s. Dequantized GGUF weights lie on a grid, so W / s often lands on
+    a rounding tie: float32 arithmetic (the loader's) breaks those ties as the loader does."""
+    w = np.asarray(w, dtype)
+    s = np.abs(w).max(axis=1) / dtype(127)
     q = np.round(w / np.where(s > 0, s, 1)[:, None])
     return q.astype(np.int8), s.astype(np.float32)
 
 
-def int8_dequantized(w: np.ndarray) -> np.ndarray:
-    q, s = int8_reference(w)
+def int8_dequantized(w: np.ndarray, dtype=np.float64) -> np.ndarray:
+    q, s = int8_reference(w, dtype)
     return q.astype(np.float32) * s[:, None]
 
 

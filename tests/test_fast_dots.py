@@ -154,20 +154,27 @@ def test_bf16_checkpoint_with_bf16_dots_against_transformers(root, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization,bound", [("auto", 2e-2), ("gguf_int8", 5e-2)])
+@pytest.mark.parametrize("quantization,bound", [("gguf_bf16", 2e-2), ("gguf_int8", 5e-2), ("auto", 2e-4)])
 def test_gguf_fast_dots_against_transformers_on_the_dequantized_weights(root, ids, quantization, bound):
-    """The same logits at every layout (each rank quantizes whole blocks); perplexity within 1% of the reference."""
+    """The same logits at every layout (each rank quantizes whole blocks, or int8 rows); perplexity within 1% of
+    the reference. "auto" on CPU (w8a8x2) holds the dequantized weights int8 per row: its reference is
+    transformers on those int8 weights."""
+    import jax
     path, float_dir, deq_dir = write_tiny_gguf(root)
+    int8_auto = quantization == "auto" and jax.default_backend() == "cpu"
+    if int8_auto:
+        deq_dir = dequantized_copy(deq_dir, f"{deq_dir}_int8", lambda _, w: int8_dequantized(w, np.float32))
     ref_deq = hf_logits(deq_dir, ids)
     ppl_ref = perplexity(ref_deq, ids)
     for layout in LAYOUTS:
         llm = load_llm(path, layout, quantization=quantization)
-        assert llm.quantization.endswith("dot)")
+        assert llm.quantization == "w8a8x2" if int8_auto else llm.quantization.endswith("dot)")
         got = llm.get_logits(ids)
         err, ppl = rel_err(got, ref_deq), perplexity(got, ids)
         print(f"gguf {quantization} ({llm.quantization}) {layout}: max |logits - ref| / max |ref| {err:.2e}, "
               f"perplexity {ppl:.3f} vs {ppl_ref:.3f}")
-        assert err <= bound and abs(ppl / ppl_ref - 1) <= 0.01
+        assert err <= (bound if int8_auto or quantization != "auto" else 2e-2) and abs(ppl / ppl_ref - 1) <= 0.01
+        # measured: auto (w8a8x2) 5.0e-5 - 6.7e-5 at the four layouts
 
 
 @pytest.mark.slow

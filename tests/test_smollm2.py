@@ -118,7 +118,7 @@ def test_readme_run_command(smollm2_hf, tok):
         with torch.no_grad():
             for p in model.parameters():
                 if p.ndim == 2:                                          # the linear weights and the (tied) table
-                    p.copy_(torch.from_numpy(int8_dequantized(p.numpy())))
+                    p.copy_(torch.from_numpy(int8_dequantized(p.numpy(), np.float32)))
     with torch.no_grad():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=2)
     expected = tok.decode(ref[0, len(ids):], skip_special_tokens=True)

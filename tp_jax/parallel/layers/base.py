@@ -118,6 +118,7 @@ class MethodLayer(ParallelModule):
     weight_name: ClassVar[str] = "kernel"
     weight_kind: ClassVar[str] = LINEAR
     weight_transposed: ClassVar[bool] = True
+    switched: ClassVar[bool] = True              # reads its weight only through gemm (a switched Stack may)
 
     def statements(self) -> dict[str, ShardedParam]:
         raise NotImplementedError(f"{type(self).__name__} declares no statements()")

@@ -88,13 +88,13 @@ class Stack(nnx.Module):
         kept = [id(x) in owned for x in flat[0][0]]
         stacked = [None if keep else jnp.stack([leaves[k] for leaves, _ in flat])
                    for k, keep in enumerate(kept)]
-        slots_of = [[n for _, n in nnx.iter_graph(peer) if isinstance(n, MethodLayer)] for peer in peers]
+        slots_of = [_gemm_layers(peer) for peer in peers]
 
         def body(index, c):
             leaves = [flat[0][0][k] if keep else jax.lax.dynamic_index_in_dim(stacked[k], index, keepdims=False)
                       for k, keep in enumerate(kept)]
             layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-            nodes = [n for _, n in nnx.iter_graph(layer) if isinstance(n, MethodLayer)]
+            nodes = _gemm_layers(layer)
             for k, node in enumerate(nodes):
                 SWITCHED[id(node)] = (index, [same[k] for same in slots_of])
             try:
@@ -130,9 +130,14 @@ class Stack(nnx.Module):
         self.layers = None
 
 
+def _gemm_layers(module: nnx.Module) -> list[MethodLayer]:
+    """The layers in `module` whose weight only `MethodLayer.gemm` reads (in graph order)."""
+    return [node for _, node in nnx.iter_graph(module) if isinstance(node, MethodLayer) and node.switched]
+
+
 def _gemm_weights(module: nnx.Module) -> set[int]:
-    """ids of the arrays only `MethodLayer.gemm` reads: each linear layer's weight params."""
-    return {id(v.get_value()) for _, node in nnx.iter_graph(module) if isinstance(node, MethodLayer)
+    """ids of the arrays only `MethodLayer.gemm` reads: those layers' weight params (not their biases)."""
+    return {id(v.get_value()) for node in _gemm_layers(module)
             for name, v in vars(node).items() if isinstance(v, nnx.Variable) and name.startswith(node.weight_name)}
 
 

@@ -133,6 +133,26 @@ def test_unrolled_layers_match(deep, workload_refs, dp, pp, tp):
     assert params(llm) == params(scanned)
 
 
+@pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (1, 2, 2)], ids=lambda v: str(v))
+def test_switched_layers_match(deep, dp, pp, tp):
+    """LLM(unroll_layers="switch"): per-slot arrays in a layer loop, each GEMM a lax.switch over the slots'
+    own weights: the scanned stack's numbers and transformers', the same greedy tokens, a loop per stage
+    kept, and no layer's weight matrix sliced out of a stack."""
+    path, ids, ref, greedy = deep
+    kw = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, progress=False)
+    scanned, llm = LLM(path, **kw), LLM(path, unroll_layers="switch", **kw)
+    logits = llm.get_logits(ids)
+    assert float(np.abs(logits - scanned.get_logits(ids)).max()) <= 1e-6
+    assert float(np.abs(logits - ref).max()) <= 1e-4
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
+    hlo = step_hlo(llm)
+    assert loop_bodies(hlo) != []
+    matrices = {(1, *x.addressable_shards[0].data.shape[1:])
+                for x in jax.tree.leaves(nnx.state(scanned.model.model.layers, nnx.Param)) if x.ndim == 3}
+    sliced = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"f32\[([\d,]+)\][^ ]* dynamic-slice\(", hlo)}
+    assert not matrices & sliced
+
+
 def step_hlo(llm) -> str:
     """The compiled HLO of the engine's step (a decode shape), as served."""
     runner = llm.engine.core.runner

@@ -72,6 +72,11 @@ def _flag(name: str, value: Any) -> None:
         raise TypeError(f"LLM: {name}={value!r} must be True or False, got {type(value).__name__}")
 
 
+def _unroll(name: str, value: Any) -> None:
+    if not isinstance(value, bool) and value != "switch":
+        raise TypeError(f"LLM: {name}={value!r} must be True, False or \"switch\", got {type(value).__name__}")
+
+
 RULES: dict[str, Callable[[str, Any], None]] = {
     "model": _model,
     "tensor_parallel_size": count(" (devices that split each layer)"),
@@ -86,7 +91,7 @@ RULES: dict[str, Callable[[str, Any], None]] = {
     "progress": _flag,
     "check_weights": _flag,
     "quantization": _quantization,
-    "unroll_layers": _flag,
+    "unroll_layers": _unroll,
     "enable_expert_parallel": _flag,
 }
 

@@ -100,6 +100,11 @@ class ParallelModule(nnx.Module):
 ParallelModule.__signature__ = inspect.Signature()      # an abstract base: subclasses bring the arguments
 
 
+# id(a MethodLayer of a switched Stack's loop body) -> (layer index, the same layer of every slot);
+# filled by Stack while it traces its loop (tp_jax/parallel/layers/stack.py), read by MethodLayer.gemm.
+SWITCHED: dict[int, tuple] = {}
+
+
 class MethodLayer(ParallelModule):
     """A ParallelModule with one weight W[out, in] held by a `LinearMethod` (vLLM's `quant_method`).
 
@@ -113,12 +118,28 @@ class MethodLayer(ParallelModule):
     weight_name: ClassVar[str] = "kernel"
     weight_kind: ClassVar[str] = LINEAR
     weight_transposed: ClassVar[bool] = True
+    switched: ClassVar[bool] = True              # reads its weight only through gemm (a switched Stack may)
 
     def statements(self) -> dict[str, ShardedParam]:
         raise NotImplementedError(f"{type(self).__name__} declares no statements()")
 
     def weight_shape(self) -> tuple[int, ...]:
         raise NotImplementedError(f"{type(self).__name__} declares no weight_shape()")
+
+    def gemm(self, x: jax.Array) -> jax.Array:
+        """`self.method.apply(self, x)`; in a switched Stack's loop body, a `lax.switch` over the layer
+        slots whose branches each apply one slot's own weight, so the GEMM reads a whole buffer in
+        place. A single row is padded to two there (XLA:CPU generates a kernel for every 1-row dot)."""
+        entry = SWITCHED.get(id(self))
+        if entry is None:
+            return self.method.apply(self, x)
+        index, peers = entry
+        rows = int(np.prod(x.shape[:-1]))
+        a = x.reshape(rows, x.shape[-1])
+        if rows == 1:
+            a = jnp.concatenate([a, a], axis=0)
+        y = jax.lax.switch(index, [lambda a, p=p: p.method.apply(p, a) for p in peers], a)
+        return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
     def loading(self) -> dict[str, ShardedParam]:
         decl = self.statements()

@@ -91,7 +91,7 @@ class ReplicatedLinear(_Linear):
         return self._weights(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = self.method.apply(self, x)
+        y = self.gemm(x)
         return (y + self.bias[...] if self.bias is not None else y).astype(self.param_dtype)
 
 
@@ -122,7 +122,7 @@ class ColumnParallelLinear(_Linear):
         return contiguous_rows(self.out_features, self.tp_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = self.method.apply(self, x)                   # [..., F_local]
+        y = self.gemm(x)                   # [..., F_local]
         if self.bias is not None:
             y = y + self.bias[...]
         y = y.astype(self.param_dtype)
@@ -167,7 +167,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return jnp.split(y, np.cumsum(self.local_sizes)[:-1], axis=-1)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = self.method.apply(self, x)
+        y = self.gemm(x)
         if self.bias is not None:
             y = y + self.bias[...]
         y = y.astype(self.param_dtype)
@@ -241,7 +241,7 @@ class RowParallelLinear(_Linear):
         if not self.input_is_parallel and self.tp_size > 1:
             start = collectives.axis_index(TP) * self.in_local
             x = jax.lax.dynamic_slice_in_dim(x, start, self.in_local, axis=-1)
-        y = self.method.apply(self, x)                   # partial sum [..., F] (float32 from a fast method)
+        y = self.gemm(x)                   # partial sum [..., F] (float32 from a fast method)
         if self.reduce_results:
             y = collectives.all_reduce(y, TP, self.reduce_strategy)
             return (y + self.bias[...] if self.bias is not None else y).astype(self.param_dtype)

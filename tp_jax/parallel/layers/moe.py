@@ -229,6 +229,7 @@ class Router(ReplicatedLinear):
     """The router W_r[E, D], replicated; `keep_float`: quantization leaves it float (as vLLM builds its gate
     without a quant config), since a quantized logit can change which experts run."""
     keep_float = True
+    switched = False                             # route() reads the kernel itself: a switched Stack indexes it
 
 
 class FusedMoE(nnx.Module):

@@ -8,6 +8,11 @@ copies each layer's slice out of a stacked weight before its matmul (a dynamic-s
 per layer, as many bytes again as the matmuls read), so a serving engine stores one array per
 local layer slot instead ([pp, ...] each, still sharded on pp) and runs the layers unrolled.
 Same numbers, one read per weight; compile time then grows with depth.
+
+`unstack(mesh, switch=True)` keeps the loop over those slots (`fori_loop`, one layer body, so
+compile time stays that of the scan): each linear layer's GEMM in the body is a `lax.switch`
+over the slots whose branch j applies slot j's own weight (`MethodLayer.gemm`), a whole buffer
+XLA reads in place; the other params (norms, biases: small) are stacked and indexed per layer.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tp_jax.parallel.layers.base import show_init_signature
+from tp_jax.parallel.layers.base import SWITCHED, MethodLayer, show_init_signature
 from tp_jax.parallel.mesh import PP
 
 
@@ -47,12 +52,15 @@ class Stack(nnx.Module):
         self.layers = build(rngs)
         self.num_layers = num_layers
         self.slots = None                        # after unstack(): one module per local layer slot
+        self.switch = False                      # unstack(switch=True): slots looped over, GEMMs switched
 
     def __call__(self, fn: Callable, h: jax.Array, carry=None):
         """Run `h, carry = fn(layer, index, h, carry)` over the local layers (index: this rank's slot).
 
         `carry` is threaded through every layer (e.g. a KV pool each layer writes in place).
         """
+        if self.slots is not None and self.switch:
+            return self._switched(fn, h, carry)
         if self.slots is not None:
             for index, slot in enumerate(self.slots):
                 graphdef, state = nnx.split(slot)
@@ -69,8 +77,38 @@ class Stack(nnx.Module):
         (h, carry), _ = jax.lax.scan(body, (h, carry), (state, jnp.arange(num_local, dtype=jnp.int32)))
         return h, carry
 
-    def unstack(self, mesh: jax.sharding.Mesh) -> None:
-        """Store one array per local layer slot (see the module doc); the stacked arrays are freed."""
+    def _switched(self, fn: Callable, h: jax.Array, carry):
+        """The loop of `unstack(switch=True)`: one layer body, GEMM weights switched, the rest indexed."""
+        graphdef, _ = nnx.split(self.slots[0])
+        states = [jax.tree.map(lambda x: x[0], nnx.split(slot)[1]) for slot in self.slots]   # bitcasts
+        peers = [nnx.merge(graphdef, state) for state in states]
+        owned = _gemm_weights(peers[0])
+        flat = [jax.tree.flatten(state) for state in states]
+        treedef = flat[0][1]
+        kept = [id(x) in owned for x in flat[0][0]]
+        stacked = [None if keep else jnp.stack([leaves[k] for leaves, _ in flat])
+                   for k, keep in enumerate(kept)]
+        slots_of = [_gemm_layers(peer) for peer in peers]
+
+        def body(index, c):
+            leaves = [flat[0][0][k] if keep else jax.lax.dynamic_index_in_dim(stacked[k], index, keepdims=False)
+                      for k, keep in enumerate(kept)]
+            layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+            nodes = _gemm_layers(layer)
+            for k, node in enumerate(nodes):
+                SWITCHED[id(node)] = (index, [same[k] for same in slots_of])
+            try:
+                return fn(layer, index, *c)
+            finally:
+                for node in nodes:
+                    SWITCHED.pop(id(node), None)
+
+        return jax.lax.fori_loop(0, len(self.slots), body, (h, carry))
+
+    def unstack(self, mesh: jax.sharding.Mesh, switch: bool = False) -> None:
+        """Store one array per local layer slot (see the module doc); the stacked arrays are freed.
+        `switch`: loop over the slots with switched GEMMs instead of unrolling them."""
+        self.switch = switch
         if self.slots is not None:
             return
         pp = mesh.shape[PP]
@@ -92,10 +130,21 @@ class Stack(nnx.Module):
         self.layers = None
 
 
-def unstack_all(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
+def _gemm_layers(module: nnx.Module) -> list[MethodLayer]:
+    """The layers in `module` whose weight only `MethodLayer.gemm` reads (in graph order)."""
+    return [node for _, node in nnx.iter_graph(module) if isinstance(node, MethodLayer) and node.switched]
+
+
+def _gemm_weights(module: nnx.Module) -> set[int]:
+    """ids of the arrays only `MethodLayer.gemm` reads: those layers' weight params (not their biases)."""
+    return {id(v.get_value()) for node in _gemm_layers(module)
+            for name, v in vars(node).items() if isinstance(v, nnx.Variable) and name.startswith(node.weight_name)}
+
+
+def unstack_all(model: nnx.Module, mesh: jax.sharding.Mesh, switch: bool = False) -> None:
     """`Stack.unstack` every Stack in `model` (in place)."""
     for stack in [node for _, node in nnx.iter_graph(model) if isinstance(node, Stack)]:
-        stack.unstack(mesh)
+        stack.unstack(mesh, switch)
 
 
 show_init_signature(Stack)

@@ -41,6 +41,7 @@ class VocabParallelEmbedding(MethodLayer):
     tied-head logits.
     """
     weight_name, weight_kind, weight_transposed = "embedding", EMBEDDING, False
+    switched = False                             # a lookup reads the table directly
 
     def __init__(self, num_embeddings: int, features: int, *, tp_size: int = 1, dtype=jnp.float32,
                  rngs: nnx.Rngs, embedding_init=None, method: LinearMethod | None = None):

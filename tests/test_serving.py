@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import make_checkpoint
-from tests.workload import mixed_workload, run_workload
+from tests.workload import compact_workload, mixed_workload, run_workload
 from tp_jax.serving.async_engine import AsyncLLMEngine
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
@@ -32,6 +32,12 @@ def alone(llm):
     return {rid: llm.generate([p], sp)[0].outputs[0].token_ids for rid, p, sp, _ in mixed_workload()}
 
 
+@pytest.fixture(scope="module")
+def compact_alone(llm):
+    """compact_workload's requests, each alone on the tp = 2 engine (the reference attention backend)."""
+    return {rid: llm.generate([p], sp)[0].outputs[0].token_ids for rid, p, sp, _ in compact_workload()}
+
+
 def used_blocks(llm) -> int:
     return llm.engine.core.kv_usage()[0]
 
@@ -45,11 +51,11 @@ def test_arrival_order_and_batch_do_not_change_outputs(llm, alone):
     assert [o.outputs[0].token_ids for o in together] == [alone[rid] for rid, *_ in work]
 
 
-def test_a_pool_too_small_preempts_and_loses_nothing(path, alone):
-    small = LLM(path, tensor_parallel_size=2, num_gpu_blocks=8, block_size=16, max_model_len=128, progress=False)
-    work = mixed_workload()                          # needs ~13 blocks at once; the pool has 8
+def test_a_pool_too_small_preempts_and_loses_nothing(path, compact_alone):
+    small = LLM(path, tensor_parallel_size=2, num_gpu_blocks=4, block_size=16, max_model_len=64, progress=False)
+    work = compact_workload()                        # needs 6 blocks at once from step 2; the pool has 4
     got = run_workload(small.engine, work)
-    assert got == alone
+    assert got == compact_alone
     assert all(len(got[rid]) == sp.max_tokens for rid, _, sp, _ in work)
     assert small.engine.core.stats["preemptions"] > 0
     assert used_blocks(small) == 0
@@ -252,9 +258,11 @@ def test_a_step_plan_survives_the_trip_to_other_processes(llm):
         engine.abort(rid)
 
 
-def test_the_jax_nn_attention_backend_gives_the_same_tokens(path, alone):
-    llm = LLM(path, tensor_parallel_size=2, attention_backend="jax_nn", progress=False)
-    assert run_workload(llm.engine, mixed_workload()) == alone
+def test_the_jax_nn_attention_backend_gives_the_same_tokens(path, compact_alone):
+    """Continuous batching on jax_nn == each request alone on the reference backend (the compact workload:
+    joins, finishes, sampled rows, 2 blocks, in 4 compiled shapes where mixed_workload needs ~11)."""
+    jax_nn = LLM(path, tensor_parallel_size=2, attention_backend="jax_nn", progress=False)
+    assert run_workload(jax_nn.engine, compact_workload()) == compact_alone
     with pytest.raises(ValueError, match=r"attention_backend='flash' is not registered; choose one of "
                                          r"\['jax_nn', 'reference'\]"):
         LLM(path, attention_backend="flash", progress=False)

@@ -23,6 +23,24 @@ def mixed_workload(vocab: int = 1000, seed: int = 0) -> list[tuple[str, list[int
     return out
 
 
+def compact_workload(vocab: int = 1000, seed: int = 0) -> list[tuple[str, list[int], SamplingParams, int]]:
+    """Continuous batching in few step shapes, for the tests that run it at every mesh: 3 requests arrive
+    together (one prompt over 2 blocks, one decode over 2), 2 join at step 2 in the step where 2 of the first
+    finish, greedy and seeded sampled rows share steps, the last 3 finish together. On one replica the forward
+    compiles 4 shapes (mixed_workload: 11): the first prefill, decode 3 rows, decode 3 + 2 joining prefills,
+    and decode 3 is also what `generate` of 3 short prompts compiles."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, (plen, ntok, arrive) in enumerate([(5, 3, 0), (27, 10, 0), (13, 3, 0), (2, 8, 2), (9, 8, 2)]):
+        prompt = rng.integers(0, vocab, plen).tolist()
+        if i in (2, 4):
+            params = SamplingParams(max_tokens=ntok, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i)
+        else:
+            params = SamplingParams(max_tokens=ntok, temperature=0.0)
+        out.append((f"c{i}", prompt, params, arrive))
+    return out
+
+
 def run_workload(engine, workload) -> dict[str, list[int]]:
     """Add each request at its arrival step (an LLMEngine), step until all finish; tokens per id."""
     pending = sorted(workload, key=lambda w: w[3])

@@ -69,7 +69,7 @@ class Int8(LinearMethod):
 
     @property
     def label(self) -> str:
-        return ACTIVATIONS[self.activations]
+        return self.name if self.activations == "float" else ACTIVATIONS[self.activations]   # a subclass's own name
 
     @property
     def suffixes(self) -> tuple[str, ...]:

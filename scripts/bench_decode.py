@@ -9,7 +9,7 @@ Roofline: bytes of weights read per decode step / the machine's measured read ba
 engine's batch, its paged pool), so `step_over_forward` is the engine's own overhead
 (scheduling, batch building, transfers, sampling). With --pp > 1 each batch row also reports
 the GPipe bubble (idle stage-steps / total) for the engine's micro-batch count.
-Every combination of `--quantization` (auto / none / bf16 / int8 / w8a8 / gguf / gguf_bf16 /
+Every combination of `--quantization` (auto / none / bf16 / int8 / w8a8 / w8a8x2 / gguf / gguf_bf16 /
 gguf_int8) and `--layers` (the scanned layer stack, `LLM(unroll_layers=True)`,
 `LLM(unroll_layers="switch")`) is loaded in turn and measured in the same run, side by side
 ("results": one entry each, with the bytes of weights per device and the greedy tokens' agreement with the first entry).

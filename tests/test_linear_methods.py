@@ -202,6 +202,12 @@ def test_hlo_same_collectives_as_float(name, tp):
 
 # --- bad input --------------------------------------------------------------------------
 
+def test_unknown_int8_activations_name_the_choices():
+    with pytest.raises(QuantizationError, match=r"Int8\(activations='int16'\): choose 'float' \(weight-only\), "
+                                                r"'int8' \(W8A8, per-token int8 activations\) or 'int8x2'"):
+        Int8("int16")
+
+
 def test_unknown_method_name_lists_the_choices():
     with pytest.raises(QuantizationError, match=r"unknown quantization method 'int4'; choose one of \['auto', "
                                                 r"'none', 'bf16', 'gguf', 'gguf_bf16', 'gguf_int8', 'int8', 'w8a8', "

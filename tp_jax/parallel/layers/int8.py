@@ -115,8 +115,8 @@ def int8_dot(x: jax.Array, w: jax.Array, two_digits: bool) -> jax.Array:
         q2 = jnp.clip(jnp.round(rest * SECOND_DIGIT), -QMAX, QMAX).astype(jnp.int8)
         rows = jnp.concatenate([rows, q2.reshape(rows.shape)])            # [2M, in]: the digits stacked
     y = weight_first_dot(w, rows)                                          # [out, M or 2M] float32
-    m = y.shape[1] // 2 if two_digits else y.shape[1]
     if two_digits:
+        m = y.shape[1] // 2
         y = y[:, :m] + y[:, m:] * (1.0 / SECOND_DIGIT)
     return y.T.reshape(*x.shape[:-1], w.shape[0]) * s
 

@@ -17,13 +17,14 @@ XLA reads in place; the other params (norms, biases: small) are stacked and inde
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tp_jax.parallel.layers.base import SWITCHED, MethodLayer, show_init_signature
+from tp_jax.parallel.layers.base import MethodLayer, show_init_signature
 from tp_jax.parallel.mesh import PP
 
 
@@ -94,14 +95,10 @@ class Stack(nnx.Module):
             leaves = [flat[0][0][k] if keep else jax.lax.dynamic_index_in_dim(stacked[k], index, keepdims=False)
                       for k, keep in enumerate(kept)]
             layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-            nodes = _gemm_layers(layer)
-            for k, node in enumerate(nodes):
-                SWITCHED[id(node)] = (index, [same[k] for same in slots_of])
-            try:
+            with contextlib.ExitStack() as switching:
+                for k, node in enumerate(_gemm_layers(layer)):
+                    switching.enter_context(node.switching(index, [same[k] for same in slots_of]))
                 return fn(layer, index, *c)
-            finally:
-                for node in nodes:
-                    SWITCHED.pop(id(node), None)
 
         return jax.lax.fori_loop(0, len(self.slots), body, (h, carry))
 

@@ -13,6 +13,11 @@ Same numbers, one read per weight; compile time then grows with depth.
 compile time stays that of the scan): each linear layer's GEMM in the body is a `lax.switch`
 over the slots whose branch j applies slot j's own weight (`MethodLayer.gemm`), a whole buffer
 XLA reads in place; the other params (norms, biases: small) are stacked and indexed per layer.
+
+`LLM(layer_loop=...)` picks one of the three (`LAYER_LOOPS`, `layer_loop_for`): "scan" (the stack as
+built), "unrolled" (`unstack`), "switch" (`unstack(switch=True)`); "auto" is "switch" on CPU, where it
+was measured (about 2x the scan's decode tokens/s, the scan's compile time: docs/performance.md), and
+"scan" on other platforms, where XLA:GPU / TPU conditionals in the layer loop have not been measured.
 """
 
 from __future__ import annotations
@@ -138,10 +143,31 @@ def _gemm_weights(module: nnx.Module) -> set[int]:
             for name, v in vars(node).items() if isinstance(v, nnx.Variable) and name.startswith(node.weight_name)}
 
 
+LAYER_LOOPS = ("auto", "scan", "switch", "unrolled")
+
+
+def layer_loop_for(choice: str, platform: str) -> str:
+    """The layer loop `choice` (one of LAYER_LOOPS) means on `platform` ("cpu", "gpu", "tpu"): "auto" is
+    "switch" on CPU (measured: docs/performance.md) and "scan" elsewhere (not measured there)."""
+    if choice not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop={choice!r}: choose one of {LAYER_LOOPS}")
+    if choice == "auto":
+        return "switch" if platform == "cpu" else "scan"
+    return choice
+
+
 def unstack_all(model: nnx.Module, mesh: jax.sharding.Mesh, switch: bool = False) -> None:
     """`Stack.unstack` every Stack in `model` (in place)."""
     for stack in [node for _, node in nnx.iter_graph(model) if isinstance(node, Stack)]:
         stack.unstack(mesh, switch)
+
+
+def use_layer_loop(model: nnx.Module, mesh: jax.sharding.Mesh, loop: str) -> None:
+    """Run every Stack of `model` with `loop` ("scan", "switch" or "unrolled"; see layer_loop_for)."""
+    if loop not in LAYER_LOOPS[1:]:
+        raise ValueError(f"use_layer_loop: loop={loop!r} must be one of {LAYER_LOOPS[1:]}")
+    if loop != "scan":
+        unstack_all(model, mesh, switch=loop == "switch")
 
 
 show_init_signature(Stack)

@@ -118,10 +118,14 @@ class Stack(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         specs = nnx.get_partition_spec(state)
 
+        slicers = {}                             # spec -> one jitted slicer (jit reuses it for equal shapes)
+
         def split_leaf(x, spec):                 # stage s's slot j = layer s * num_local + j, no data moves
-            f = jax.shard_map(lambda a: tuple(a[j:j + 1] for j in range(num_local)), mesh=mesh,
-                              in_specs=spec, out_specs=(spec,) * num_local, check_vma=False)
-            out = jax.jit(f)(x)
+            if spec not in slicers:              # a traced slot index: one small compile per shape, not per slot
+                slicers[spec] = jax.jit(jax.shard_map(lambda a, j: jax.lax.dynamic_slice_in_dim(a, j, 1),
+                                                      mesh=mesh, in_specs=(spec, jax.P()), out_specs=spec,
+                                                      check_vma=False))
+            out = tuple(slicers[spec](x, jnp.int32(j)) for j in range(num_local))
             x.delete()                           # one weight's worth of extra memory at a time
             return out
 

@@ -41,9 +41,10 @@ class Stack(nnx.Module):
       num_layers: N (>= 1).
       rngs: `nnx.Rngs`, split per layer.
 
-    `stack(fn, h, carry)` runs `h, carry = fn(layer_i, i, h, carry)` over the local layers (a scan;
-    unrolled after `unstack`) and returns (h, carry). In a name table, a stacked param's path is "<stack path>.layers.<param>" and its
-    checkpoint names carry `{i}` for the layer index.
+    `stack(fn, h, carry)` runs `h, carry = fn(layer_i, i, h, carry)` over the local layers (a scan; unrolled
+    after `unstack`, a switched loop after `unstack(switch=True)`) and returns (h, carry). In a name table, a
+    stacked param's path is "<stack path>.layers.<param>" and its checkpoint names carry `{i}` for the layer
+    index.
     """
 
     def __init__(self, make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs):

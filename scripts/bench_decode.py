@@ -1,7 +1,7 @@
 """Decode throughput of tp_jax vs transformers on SmolLM2 (greedy, same weights, same prompt), one JSON line.
 
     python scripts/bench_decode.py [--batch 1 8] [--tokens 64] [--dp 1 --pp 1 --tp 1] [--simulate-devices N]
-                                   [--quantization none int8 auto] [--layers scan unrolled switch]
+                                   [--quantization none int8 auto] [--layers auto scan switch unrolled]
 
 Decode time is T(N tokens) - T(1 token), for both engines, so prefill and compile are out.
 Roofline: bytes of weights read per decode step / the machine's measured read bandwidth.
@@ -10,9 +10,9 @@ engine's batch, its paged pool), so `step_over_forward` is the engine's own over
 (scheduling, batch building, transfers, sampling). With --pp > 1 each batch row also reports
 the GPipe bubble (idle stage-steps / total) for the engine's micro-batch count.
 Every combination of `--quantization` (auto / none / bf16 / int8 / w8a8 / w8a8x2 / gguf / gguf_bf16 /
-gguf_int8) and `--layers` (the scanned layer stack, `LLM(unroll_layers=True)`,
-`LLM(unroll_layers="switch")`) is loaded in turn and measured in the same run, side by side
-("results": one entry each, with the bytes of weights per device and the greedy tokens' agreement with the first entry).
+gguf_int8) and `--layers` (`LLM(layer_loop=...)`: auto, scan, switch, unrolled) is loaded in turn and
+measured in the same run, side by side ("results": one entry each, with the bytes of weights per device and
+the greedy tokens' agreement with the first entry).
 
 transformers runs in float32 and in bfloat16 (`--hf-dtypes`); `speedup_over_transformers` is
 against its faster dtype at that batch ("transformers_best"). When `llama_cpp`
@@ -40,9 +40,8 @@ def parse_args():
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
     ap.add_argument("--no-llama-cpp", action="store_true")
-    ap.add_argument("--layers", nargs="+", default=["scan", "unrolled"], choices=["scan", "unrolled", "switch"],
-                    help="LLM(unroll_layers=False / True / 'switch'), each measured in this run "
-                         "(default scan, unrolled)")
+    ap.add_argument("--layers", nargs="+", default=["auto"], choices=["auto", "scan", "switch", "unrolled"],
+                    help="LLM(layer_loop=...), each measured in this run (default auto: switch on CPU)")
     ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("--quantization", nargs="+", default=["auto"], help="auto, none, int8, gguf (several: side "
                     "by side in one run)")
@@ -140,10 +139,10 @@ def measure(args, quantization: str, layers: str, bandwidth: float, hf, first_to
     from tp_jax.parallel.pipeline import bubble_fraction
     llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp,
               pipeline_parallel_size=args.pp, num_microbatches=args.num_microbatches, progress=False,
-              quantization=quantization, unroll_layers=UNROLL[layers])
+              quantization=quantization, layer_loop=layers)
     ids = llm.get_tokenizer().encode(args.prompt)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model, nnx.Param)))
-    out = {"quantization": quantization, "weights": llm.quantization, "layers": layers,
+    out = {"quantization": quantization, "weights": llm.quantization, "layers": llm.layer_loop,
            "dtype": jax.numpy.dtype(llm.dtype).name,
            "weight_bytes": weight_bytes,
            "weight_bytes_per_device": param_bytes_per_device(llm.model, llm.mesh)}
@@ -170,9 +169,6 @@ def measure(args, quantization: str, layers: str, bandwidth: float, hf, first_to
     if lo != hi:
         out[f"step_batch{hi}_over_batch{lo}"] = round(steps[hi] / steps[lo], 2)
     return out
-
-
-UNROLL = {"scan": False, "unrolled": True, "switch": "switch"}     # --layers -> LLM(unroll_layers=...)
 
 
 def main():

@@ -8,11 +8,12 @@ times, four ways, in one process so the figures compare:
 
 * `scan`: weights stacked on a leading layer axis, one `lax.scan` (the `Stack` default). XLA:CPU copies
   each layer's slice of every weight (a dynamic-slice fusion) before its dot.
-* `unrolled`: one array per layer, a Python loop (`unroll_layers=True`): weights read in place; the
-  program holds every layer's fusions and dots.
+* `unrolled`: one array per layer, a Python loop (`LLM(layer_loop="unrolled")`): weights read in place;
+  the program holds every layer's fusions and dots.
 * `switch_dot`: one array per layer, a `fori_loop` whose body holds one layer; each weight's dot is a
   `lax.switch` over the layers with one branch per layer, each branch a single dot on a whole weight
-  buffer (so the dot reads it in place and the layer's other fusions exist once).
+  buffer (so the dot reads it in place and the layer's other fusions exist once): `LLM(layer_loop="switch")`,
+  the default on CPU.
 * `switch_layer`: the same loop, the whole layer switched (each branch a full layer).
 
 `compile_s` is `jit(...).lower(...).compile()`; `run_ms_min` / `run_ms_median` over `--repeats` calls

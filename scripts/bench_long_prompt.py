@@ -27,7 +27,8 @@ def parse_args(argv=None):
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--simulate-devices", type=int, default=8)
     ap.add_argument("--check", action="store_true", help="compare the first token with transformers")
-    ap.add_argument("--unroll-layers", action="store_true", help="LLM(unroll_layers=True): see docs/performance.md")
+    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "switch", "unrolled"],
+                    help="LLM(layer_loop=...): see docs/performance.md")
     return ap.parse_args(argv)
 
 
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     llm = LLM(args.model, tensor_parallel_size=args.tp, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=4, progress=False,
-              unroll_layers=args.unroll_layers)
+              layer_loop=args.layer_loop)
     load_s = time.perf_counter() - t
     rss_loaded = peak_rss_mib()
     prompt = np.random.default_rng(0).integers(100, llm.config.vocab_size - 100, args.prompt_tokens).tolist()

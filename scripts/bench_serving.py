@@ -47,7 +47,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--no-transformers", action="store_true")
-    ap.add_argument("--unroll-layers", action="store_true", help="LLM(unroll_layers=True): see docs/performance.md")
+    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "switch", "unrolled"],
+                    help="LLM(layer_loop=...): see docs/performance.md")
     ap.add_argument("--quantization", default="auto", help="LLM(quantization=...): docs/quantization.md")
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--server", default=None, help="base URL of a running OpenAI-compatible server")
@@ -100,7 +101,7 @@ def bench_ours(args, work):
     llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
               data_parallel_size=args.dp, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-              unroll_layers=args.unroll_layers, quantization=args.quantization, progress=False)
+              layer_loop=args.layer_loop, quantization=args.quantization, progress=False)
     t = time.monotonic()
     run_ours(llm, work)                                   # warm-up: compiles the step shapes it needs
     warm = time.monotonic() - t
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
     _, cfg = open_checkpoint(model_path)
     work = make_workload(args, cfg.vocab_size)
     result = {"model": os.path.basename(model_path), "platform": jax.default_backend(), "tp": args.tp, "pp": args.pp,
-              "unroll_layers": args.unroll_layers,
+              "layer_loop": args.layer_loop,
               "dp": args.dp, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
               "output_len": args.output_len, "shared_prefix": args.shared_prefix,
               "rate": "inf" if np.isinf(args.rate) else args.rate}

@@ -198,3 +198,34 @@ def test_wrong_weight_shape_names_tensor_and_shape():
 def test_heads_not_multiple_of_kv():
     with pytest.raises(ValueError, match=r"num_heads=10 is not a multiple of num_kv_heads=4"):
         QKVParallelLinear(8, 4, 10, 4, tp_size=2, rngs=nnx.Rngs(0))
+
+
+def test_switching_gemm_applies_the_indexed_peers_weight():
+    """MethodLayer.switching(index, peers): inside, gemm is a lax.switch over the peers' own weights (x W_i^T
+    for the traced index, one row padded to two); outside, the layer's own weight; the state is the layer's
+    and is cleared on exit, an exception included. A layer that reads its weight outside gemm refuses."""
+    from tp_jax.parallel.layers import VocabParallelEmbedding
+    from tp_jax.parallel.mesh import make_mesh
+    mesh = make_mesh(devices=jax.devices()[:1])
+    layers = [build(mesh, ColumnParallelLinear, 16, 8, bias=False) for _ in range(3)]
+    weights = [np.asarray(layer.kernel[...]) for layer in layers]                 # [in, out]: W^T
+    for rows in (1, 5):
+        x = randn(rows, 16, seed=rows)
+
+        @jax.jit
+        def switched(i, x):
+            with layers[0].switching(i, layers):
+                return layers[0].gemm(x)
+
+        for i in range(3):
+            np.testing.assert_allclose(np.asarray(switched(np.int32(i), x)), x @ weights[i], rtol=1e-5, atol=1e-5)
+    assert "_switch" not in vars(layers[0])
+    np.testing.assert_allclose(np.asarray(layers[0].gemm(x)), x @ weights[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="inside"):
+        with layers[1].switching(0, layers):
+            raise RuntimeError("inside")
+    assert "_switch" not in vars(layers[1])
+    table = build(mesh, VocabParallelEmbedding, 32, 16)
+    with pytest.raises(TypeError, match="VocabParallelEmbedding reads its weight outside gemm"):
+        with table.switching(0, [table]):
+            pass

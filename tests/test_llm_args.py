@@ -30,7 +30,10 @@ NO_SUCH_MODEL = "/nonexistent/model/dir"          # reached only if the argument
     (dict(seed=None), TypeError, "seed=None must be an int, got NoneType"),
     (dict(dtype=np.float32), TypeError, "must be a string: 'auto', 'float32', 'bfloat16' or 'float16'"),
     (dict(progress="yes"), TypeError, "progress='yes' must be True or False, got str"),
-    (dict(unroll_layers=1), TypeError, 'unroll_layers=1 must be True, False or "switch", got int'),
+    (dict(layer_loop=True), TypeError, "layer_loop=True must be one of 'auto', 'scan', 'switch', 'unrolled', "
+     "got bool"),
+    (dict(layer_loop="scanned"), ValueError, "layer_loop='scanned' is not a layer loop; choose one of 'auto', "
+     "'scan', 'switch', 'unrolled'"),
 ])
 def test_bad_arguments_fail_before_the_load_naming_the_argument(kwargs, error, message):
     with pytest.raises(error) as e:

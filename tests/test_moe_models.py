@@ -97,11 +97,11 @@ def test_moe_models_match_transformers(moe_references, name, mesh, ep):
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp_layout", "ep"])
 def test_switched_layer_loop(moe_references, ep):
-    """LLM(unroll_layers="switch") on an MoE stack at pp = tp = 2: the router and the experts (read
+    """LLM(layer_loop="switch") on an MoE stack at pp = tp = 2: the router and the experts (read
     outside the switched GEMMs) are indexed per layer, so the logits and greedy tokens stay transformers'."""
     ckpt, ids, logits, greedy = moe_references["qwen2_moe"]
     llm = LLM(ckpt, tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=ep,
-              unroll_layers="switch", progress=False, compile_cache=False)
+              layer_loop="switch", progress=False, compile_cache=False)
     diff = float(np.abs(llm.get_logits(ids) - logits).max())
     assert diff <= 1e-4, f"switched MoE stack, ep={ep}: max abs logit diff {diff:.2e}"
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
@@ -220,7 +220,7 @@ def test_int8_quantization(moe_references, ep):
     ckpt, ids, logits, _ = moe_references["mixtral"]
     llm = LLM(ckpt, tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=ep, quantization="int8",
               progress=False, compile_cache=False)
-    layer = llm.model.model.layers.layers
+    layer = llm.model.model.layers.slots[0]                            # the default layer loop on CPU: "switch"
     experts = layer.mlp.experts
     assert isinstance(layer.self_attn.qkv_proj.method, Int8) and isinstance(layer.mlp.gate.method, Unquantized)
     assert isinstance(experts.method, Int8)

@@ -106,11 +106,11 @@ def test_hlo_pp_handoff_is_neighbour_collective_permute(deep):
 
 @pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (2, 2, 2)], ids=lambda v: str(v))
 def test_unrolled_layers_match(deep, workload_refs, dp, pp, tp):
-    """LLM(unroll_layers=True): one array per local layer, no layer loop, no per-layer weight copy;
+    """LLM(layer_loop="unrolled"): one array per local layer, no layer loop, no per-layer weight copy;
     the same numbers as the scanned stack and transformers, same workload tokens."""
     path, ids, ref, greedy = deep
     kw = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, progress=False)
-    scanned, llm = LLM(path, **kw), LLM(path, unroll_layers=True, **kw)
+    scanned, llm = LLM(path, layer_loop="scan", **kw), LLM(path, layer_loop="unrolled", **kw)
     logits = llm.get_logits(ids)
     assert float(np.abs(logits - scanned.get_logits(ids)).max()) <= 1e-6
     assert float(np.abs(logits - ref).max()) <= 1e-4
@@ -135,12 +135,13 @@ def test_unrolled_layers_match(deep, workload_refs, dp, pp, tp):
 
 @pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (1, 2, 2)], ids=lambda v: str(v))
 def test_switched_layers_match(deep, dp, pp, tp):
-    """LLM(unroll_layers="switch"): per-slot arrays in a layer loop, each GEMM a lax.switch over the slots'
-    own weights: the scanned stack's numbers and transformers', the same greedy tokens, a loop per stage
-    kept, and no layer's weight matrix sliced out of a stack."""
+    """LLM(layer_loop="switch", the default on CPU): per-slot arrays in a layer loop, each GEMM a lax.switch over
+    the slots' own weights: the scanned stack's numbers and transformers', the same greedy tokens, a loop per
+    stage kept, and no layer's weight matrix sliced out of a stack."""
     path, ids, ref, greedy = deep
     kw = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, progress=False)
-    scanned, llm = LLM(path, **kw), LLM(path, unroll_layers="switch", **kw)
+    scanned, llm = LLM(path, layer_loop="scan", **kw), LLM(path, layer_loop="switch", **kw)
+    assert (scanned.layer_loop, llm.layer_loop, LLM(path, **kw).layer_loop) == ("scan", "switch", "switch")
     logits = llm.get_logits(ids)
     assert float(np.abs(logits - scanned.get_logits(ids)).max()) <= 1e-6
     assert float(np.abs(logits - ref).max()) <= 1e-4

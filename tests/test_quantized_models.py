@@ -302,14 +302,14 @@ def test_unknown_quantization_argument_fails_before_the_load(value, error, messa
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("unroll", [True, "switch"])
+@pytest.mark.parametrize("loop", ["unrolled", "switch"])
 @pytest.mark.parametrize("quantization", ["int8", "gguf"])
-def test_unrolled_layers_hold_the_same_quantized_weights(int8_refs, tiny_gguf, ids, quantization, unroll):
-    """LLM(unroll_layers=True / "switch") splits every param of the stack per layer slot, the methods'
+def test_unrolled_layers_hold_the_same_quantized_weights(int8_refs, tiny_gguf, ids, quantization, loop):
+    """LLM(layer_loop="unrolled" / "switch") splits every param of the stack per layer slot, the methods'
     params too; unrolled or looped with switched GEMMs, the scanned stack's numbers."""
     path = int8_refs["h9kv3"][0] if quantization == "int8" else tiny_gguf[0]
-    scanned = load(path, (2, 1, 2), quantization=quantization)
-    unrolled = load(path, (2, 1, 2), quantization=quantization, unroll_layers=unroll)
+    scanned = load(path, (2, 1, 2), quantization=quantization, layer_loop="scan")
+    unrolled = load(path, (2, 1, 2), quantization=quantization, layer_loop=loop)
     assert unrolled.quantization == scanned.quantization != "none"
     np.testing.assert_allclose(unrolled.get_logits(ids), scanned.get_logits(ids), rtol=0, atol=2e-6)
     assert greedy(unrolled) == greedy(scanned)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from tp_jax.loaders.bind import MissingWeightError
 from tp_jax.parallel.layers.quantization import quantization_choices
+from tp_jax.parallel.layers.stack import LAYER_LOOPS
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -68,8 +69,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--attention-backend", default="reference",
                     help="paged attention: reference, or jax_nn (jax.nn.dot_product_attention, cuDNN on GPUs); "
                          "models/attention.py PAGED_BACKENDS")
-    ap.add_argument("--unroll-layers", action="store_true",
-                    help="one array per layer, layers unrolled: faster decode on CPU, ~10x compile time per shape")
+    ap.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
+                    help="how a step runs the decoder layers: scan (stacked weights), switch (per-layer weights "
+                         "in a loop, read in place), unrolled (~10x compile time per shape); auto: switch on "
+                         "CPU, scan elsewhere (docs/performance.md)")
     ap.add_argument("--enable-expert-parallel", action="store_true",
                     help="MoE models: whole experts on the dp x tp devices of each stage (default: each expert "
                          "split over tp)")
@@ -88,7 +91,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
                 num_microbatches=args.num_microbatches, seed=args.seed, progress=is_driver(),
                 compile_cache=not args.no_compile_cache, attention_backend=args.attention_backend,
-                unroll_layers=args.unroll_layers, quantization=args.quantization,
+                layer_loop=args.layer_loop, quantization=args.quantization,
                 enable_expert_parallel=args.enable_expert_parallel)
 
 

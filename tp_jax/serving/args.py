@@ -72,9 +72,14 @@ def _flag(name: str, value: Any) -> None:
         raise TypeError(f"LLM: {name}={value!r} must be True or False, got {type(value).__name__}")
 
 
-def _unroll(name: str, value: Any) -> None:
-    if not isinstance(value, bool) and value != "switch":
-        raise TypeError(f"LLM: {name}={value!r} must be True, False or \"switch\", got {type(value).__name__}")
+def _layer_loop(name: str, value: Any) -> None:
+    from tp_jax.parallel.layers.stack import LAYER_LOOPS
+    choices = ", ".join(repr(c) for c in LAYER_LOOPS)
+    if not isinstance(value, str):
+        raise TypeError(f"LLM: {name}={value!r} must be one of {choices}, got {type(value).__name__}")
+    if value not in LAYER_LOOPS:
+        raise ValueError(f"LLM: {name}={value!r} is not a layer loop; choose one of {choices} "
+                         f"(see docs/performance.md)")
 
 
 RULES: dict[str, Callable[[str, Any], None]] = {
@@ -91,7 +96,7 @@ RULES: dict[str, Callable[[str, Any], None]] = {
     "progress": _flag,
     "check_weights": _flag,
     "quantization": _quantization,
-    "unroll_layers": _unroll,
+    "layer_loop": _layer_loop,
     "enable_expert_parallel": _flag,
 }
 

@@ -65,11 +65,13 @@ class LLM:
     loading, on by default; False skips it); compile_cache (True: JAX's persistent compilation
     cache in ~/.cache/tp_jax/xla or $TP_JAX_COMPILE_CACHE; a directory; False: off; see
     tp_jax/serving/compile_cache.py); attention_backend ("reference", or "jax_nn":
-    jax.nn.dot_product_attention, cuDNN on GPUs); unroll_layers (True: one array per layer and
-    the layers unrolled in each step, no per-layer weight copies; faster decode on XLA:CPU, about
-    10x the compile time per step shape, which the compile cache keeps; "switch": the same arrays
-    looped over with each GEMM a lax.switch over the layers, weights read in place at the scan's
-    compile time; see docs/performance.md);
+    jax.nn.dot_product_attention, cuDNN on GPUs); layer_loop (how a step runs the decoder layers:
+    "scan": a lax.scan over the stacked weights, which XLA:CPU copies out layer by layer; "switch": one
+    array per layer in a layer loop, each GEMM a lax.switch over the layers, weights read in place at the
+    scan's compile time; "unrolled": one array per layer, the layers unrolled, about 10x the compile time
+    per step shape; "auto" (the default): "switch" on CPU, where it measured about 2x the scan's decode
+    tokens/s, and "scan" on GPU / TPU, where conditionals in the loop have not been measured; `.layer_loop`
+    says which runs; see docs/performance.md);
     quantization ("auto": a quantized GGUF file becomes "w8a8x2" on CPU and keeps its Q8_0 /
     Q4_0 / Q4_1 blocks elsewhere, other checkpoints load as stored; "int8": weight-only int8 per
     output channel, quantized per device at load; "w8a8": int8 weights and per-token int8
@@ -89,7 +91,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
                  check_weights: bool = True, compile_cache: bool | str = True,
-                 attention_backend: str = "reference", unroll_layers: bool | str = False,
+                 attention_backend: str = "reference", layer_loop: str = "auto",
                  quantization: str | None = "auto", enable_expert_parallel: bool = False):
         validate_llm_args(**locals())                  # types and ranges, before any work (EngineConfig: the rest)
         from tp_jax.serving import compile_cache as cache
@@ -128,9 +130,9 @@ class LLM:
                                       check_weights=check_weights, quantization=quantization)
         from tp_jax.loaders.quantize import describe_methods
         self.quantization = describe_methods(self.model)
-        if unroll_layers:
-            from tp_jax.parallel.layers.stack import unstack_all
-            unstack_all(self.model, self.mesh, switch=unroll_layers == "switch")
+        from tp_jax.parallel.layers.stack import layer_loop_for, use_layer_loop
+        self.layer_loop = layer_loop_for(layer_loop, self.mesh.devices.flat[0].platform)
+        use_layer_loop(self.model, self.mesh, self.layer_loop)
         self.seed, self.max_num_seqs = seed, max_num_seqs
         self._forward = None
         self._engine = None

@@ -9,8 +9,9 @@ method turns that statement into its params and runs the local GEMM.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import jax
@@ -100,9 +101,12 @@ class ParallelModule(nnx.Module):
 ParallelModule.__signature__ = inspect.Signature()      # an abstract base: subclasses bring the arguments
 
 
-# id(a MethodLayer of a switched Stack's loop body) -> (layer index, the same layer of every slot);
-# filled by Stack while it traces its loop (tp_jax/parallel/layers/stack.py), read by MethodLayer.gemm.
-SWITCHED: dict[int, tuple] = {}
+class _Switch:
+    """A switched Stack's loop index and the same layer of every slot, held by a body's MethodLayer while
+    the body traces (`MethodLayer.switching`). A plain object: static to nnx, never a param."""
+
+    def __init__(self, index: jax.Array, peers: Sequence[MethodLayer]):
+        self.index, self.peers = index, tuple(peers)
 
 
 class MethodLayer(ParallelModule):
@@ -127,19 +131,31 @@ class MethodLayer(ParallelModule):
         raise NotImplementedError(f"{type(self).__name__} declares no weight_shape()")
 
     def gemm(self, x: jax.Array) -> jax.Array:
-        """`self.method.apply(self, x)`; in a switched Stack's loop body, a `lax.switch` over the layer
-        slots whose branches each apply one slot's own weight, so the GEMM reads a whole buffer in
-        place. A single row is padded to two there (XLA:CPU generates a kernel for every 1-row dot)."""
-        entry = SWITCHED.get(id(self))
-        if entry is None:
+        """`self.method.apply(self, x)`; inside `switching(index, peers)` (a switched Stack's loop body), a
+        `lax.switch` on index over the peers (the same layer of every slot) whose branches each apply one
+        slot's own weight, so the GEMM reads a whole buffer in place. A single row is padded to two there
+        (XLA:CPU generates a kernel for every 1-row dot)."""
+        switch = self.__dict__.get("_switch")
+        if switch is None:
             return self.method.apply(self, x)
-        index, peers = entry
         rows = int(np.prod(x.shape[:-1]))
         a = x.reshape(rows, x.shape[-1])
         if rows == 1:
             a = jnp.concatenate([a, a], axis=0)
-        y = jax.lax.switch(index, [lambda a, p=p: p.method.apply(p, a) for p in peers], a)
+        y = jax.lax.switch(switch.index, [lambda a, p=p: p.method.apply(p, a) for p in switch.peers], a)
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+
+    @contextlib.contextmanager
+    def switching(self, index: jax.Array, peers: Sequence[MethodLayer]) -> Iterator[None]:
+        """While the block runs, `gemm` switches on `index` over `peers` (set by a switched Stack for the
+        trace of its loop body; cleared on exit, an exception included)."""
+        if not self.switched:
+            raise TypeError(f"{type(self).__name__} reads its weight outside gemm(): it cannot be switched")
+        object.__setattr__(self, "_switch", _Switch(index, peers))      # no nnx attribute: not in the graph
+        try:
+            yield
+        finally:
+            object.__delattr__(self, "_switch")
 
     def loading(self) -> dict[str, ShardedParam]:
         decl = self.statements()

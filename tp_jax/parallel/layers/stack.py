@@ -13,17 +13,23 @@ Same numbers, one read per weight; compile time then grows with depth.
 compile time stays that of the scan): each linear layer's GEMM in the body is a `lax.switch`
 over the slots whose branch j applies slot j's own weight (`MethodLayer.gemm`), a whole buffer
 XLA reads in place; the other params (norms, biases: small) are stacked and indexed per layer.
+
+`LLM(layer_loop=...)` picks one of the three (`LAYER_LOOPS`, `layer_loop_for`): "scan" (the stack as
+built), "unrolled" (`unstack`), "switch" (`unstack(switch=True)`); "auto" is "switch" on CPU, where it
+was measured (about 2x the scan's decode tokens/s, the scan's compile time: docs/performance.md), and
+"scan" on other platforms, where XLA:GPU / TPU conditionals in the layer loop have not been measured.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tp_jax.parallel.layers.base import SWITCHED, MethodLayer, show_init_signature
+from tp_jax.parallel.layers.base import MethodLayer, show_init_signature
 from tp_jax.parallel.mesh import PP
 
 
@@ -35,9 +41,10 @@ class Stack(nnx.Module):
       num_layers: N (>= 1).
       rngs: `nnx.Rngs`, split per layer.
 
-    `stack(fn, h, carry)` runs `h, carry = fn(layer_i, i, h, carry)` over the local layers (a scan;
-    unrolled after `unstack`) and returns (h, carry). In a name table, a stacked param's path is "<stack path>.layers.<param>" and its
-    checkpoint names carry `{i}` for the layer index.
+    `stack(fn, h, carry)` runs `h, carry = fn(layer_i, i, h, carry)` over the local layers (a scan; unrolled
+    after `unstack`, a switched loop after `unstack(switch=True)`) and returns (h, carry). In a name table, a
+    stacked param's path is "<stack path>.layers.<param>" and its checkpoint names carry `{i}` for the layer
+    index.
     """
 
     def __init__(self, make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs):
@@ -94,14 +101,10 @@ class Stack(nnx.Module):
             leaves = [flat[0][0][k] if keep else jax.lax.dynamic_index_in_dim(stacked[k], index, keepdims=False)
                       for k, keep in enumerate(kept)]
             layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-            nodes = _gemm_layers(layer)
-            for k, node in enumerate(nodes):
-                SWITCHED[id(node)] = (index, [same[k] for same in slots_of])
-            try:
+            with contextlib.ExitStack() as switching:
+                for k, node in enumerate(_gemm_layers(layer)):
+                    switching.enter_context(node.switching(index, [same[k] for same in slots_of]))
                 return fn(layer, index, *c)
-            finally:
-                for node in nodes:
-                    SWITCHED.pop(id(node), None)
 
         return jax.lax.fori_loop(0, len(self.slots), body, (h, carry))
 
@@ -116,10 +119,14 @@ class Stack(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         specs = nnx.get_partition_spec(state)
 
+        slicers = {}                             # spec -> one jitted slicer (jit reuses it for equal shapes)
+
         def split_leaf(x, spec):                 # stage s's slot j = layer s * num_local + j, no data moves
-            f = jax.shard_map(lambda a: tuple(a[j:j + 1] for j in range(num_local)), mesh=mesh,
-                              in_specs=spec, out_specs=(spec,) * num_local, check_vma=False)
-            out = jax.jit(f)(x)
+            if spec not in slicers:              # a traced slot index: one small compile per shape, not per slot
+                slicers[spec] = jax.jit(jax.shard_map(lambda a, j: jax.lax.dynamic_slice_in_dim(a, j, 1),
+                                                      mesh=mesh, in_specs=(spec, jax.P()), out_specs=spec,
+                                                      check_vma=False))
+            out = tuple(slicers[spec](x, jnp.int32(j)) for j in range(num_local))
             x.delete()                           # one weight's worth of extra memory at a time
             return out
 
@@ -141,10 +148,31 @@ def _gemm_weights(module: nnx.Module) -> set[int]:
             for name, v in vars(node).items() if isinstance(v, nnx.Variable) and name.startswith(node.weight_name)}
 
 
+LAYER_LOOPS = ("auto", "scan", "switch", "unrolled")
+
+
+def layer_loop_for(choice: str, platform: str) -> str:
+    """The layer loop `choice` (one of LAYER_LOOPS) means on `platform` ("cpu", "gpu", "tpu"): "auto" is
+    "switch" on CPU (measured: docs/performance.md) and "scan" elsewhere (not measured there)."""
+    if choice not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop={choice!r}: choose one of {LAYER_LOOPS}")
+    if choice == "auto":
+        return "switch" if platform == "cpu" else "scan"
+    return choice
+
+
 def unstack_all(model: nnx.Module, mesh: jax.sharding.Mesh, switch: bool = False) -> None:
     """`Stack.unstack` every Stack in `model` (in place)."""
     for stack in [node for _, node in nnx.iter_graph(model) if isinstance(node, Stack)]:
         stack.unstack(mesh, switch)
+
+
+def use_layer_loop(model: nnx.Module, mesh: jax.sharding.Mesh, loop: str) -> None:
+    """Run every Stack of `model` with `loop` ("scan", "switch" or "unrolled"; see layer_loop_for)."""
+    if loop not in LAYER_LOOPS[1:]:
+        raise ValueError(f"use_layer_loop: loop={loop!r} must be one of {LAYER_LOOPS[1:]}")
+    if loop != "scan":
+        unstack_all(model, mesh, switch=loop == "switch")
 
 
 show_init_signature(Stack)

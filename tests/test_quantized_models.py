@@ -303,11 +303,12 @@ def test_unknown_quantization_argument_fails_before_the_load(value, error, messa
 
 
 @pytest.mark.parametrize("loop", ["unrolled", "switch"])
-@pytest.mark.parametrize("quantization", ["int8", "gguf"])
+@pytest.mark.parametrize("quantization", ["int8", "w8a8x2", "gguf"])
 def test_unrolled_layers_hold_the_same_quantized_weights(int8_refs, tiny_gguf, ids, quantization, loop):
     """LLM(layer_loop="unrolled" / "switch") splits every param of the stack per layer slot, the methods'
-    params too; unrolled or looped with switched GEMMs, the scanned stack's numbers."""
-    path = int8_refs["h9kv3"][0] if quantization == "int8" else tiny_gguf[0]
+    params too; unrolled or looped with switched GEMMs (w8a8x2: the activation digits made once, outside the
+    switch, `LinearMethod.prepare`), the scanned stack's numbers."""
+    path = tiny_gguf[0] if quantization == "gguf" else int8_refs["h9kv3"][0]
     scanned = load(path, (2, 1, 2), quantization=quantization, layer_loop="scan")
     unrolled = load(path, (2, 1, 2), quantization=quantization, layer_loop=loop)
     assert unrolled.quantization == scanned.quantization != "none"

@@ -133,8 +133,9 @@ class MethodLayer(ParallelModule):
     def gemm(self, x: jax.Array) -> jax.Array:
         """`self.method.apply(self, x)`; inside `switching(index, peers)` (a switched Stack's loop body), a
         `lax.switch` on index over the peers (the same layer of every slot) whose branches each apply one
-        slot's own weight, so the GEMM reads a whole buffer in place. A single row is padded to two there
-        (XLA:CPU generates a kernel for every 1-row dot)."""
+        slot's own weight, so the GEMM reads a whole buffer in place; the method's `prepare(x)` (int8
+        activations' digits) runs once, outside the branches, when every slot holds the same method. A single
+        row is padded to two there (XLA:CPU generates a kernel for every 1-row dot)."""
         switch = self.__dict__.get("_switch")
         if switch is None:
             return self.method.apply(self, x)
@@ -142,7 +143,12 @@ class MethodLayer(ParallelModule):
         a = x.reshape(rows, x.shape[-1])
         if rows == 1:
             a = jnp.concatenate([a, a], axis=0)
-        y = jax.lax.switch(switch.index, [lambda a, p=p: p.method.apply(p, a) for p in switch.peers], a)
+        method = self.method
+        if all(p.method == method for p in switch.peers):        # one activation preparation, outside the branches
+            y = jax.lax.switch(switch.index, [lambda a, p=p: method.apply_prepared(p, a) for p in switch.peers],
+                               method.prepare(a))
+        else:                                                     # layers held by different methods (GGUF types)
+            y = jax.lax.switch(switch.index, [lambda a, p=p: p.method.apply(p, a) for p in switch.peers], a)
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
     @contextlib.contextmanager

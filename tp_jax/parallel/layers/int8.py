@@ -95,9 +95,21 @@ class Int8(LinearMethod):
 
     def apply(self, layer, x):
         if self.activations != "float":
-            return int8_dot(x, layer.weight(), self.activations == "int8x2") * layer.weight("_scale")
+            y = self.apply_prepared(layer, self.prepare(x.reshape(-1, x.shape[-1])))
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         dt = layer.param_dtype
         return tiled_matmul(x, [layer.weight()], lambda q: q, dt) * layer.weight("_scale").astype(dt)
+
+    def prepare(self, x):
+        """int8 activations, x [M, in]: its digit rows and scales (`int8_digits`), made once per GEMM however
+        many layers' weights a switched GEMM has branches for; weight-only: x."""
+        return x if self.activations == "float" else int8_digits(x, self.activations == "int8x2")
+
+    def apply_prepared(self, layer, prepared):
+        if self.activations == "float":
+            return self.apply(layer, prepared)
+        rows, s = prepared
+        return digits_dot(layer.weight(), rows, s, self.activations == "int8x2") * layer.weight("_scale")
 
     def embed(self, layer, ids):
         dt = layer.param_dtype
@@ -108,17 +120,30 @@ class Int8(LinearMethod):
 def int8_dot(x: jax.Array, w: jax.Array, two_digits: bool) -> jax.Array:
     """x [..., in] float, w int8 [out, in] -> float32 [..., out] ~ x w^T / s_w: x quantized per token to one int8
     digit (W8A8) or two (`two_digits`: one dot of the stacked digit rows), int8 x int8 dots accumulated in int32."""
-    q, s = quantize_rows(x)                                                # [..., in] int8, [..., 1]
-    rows = q.reshape(-1, q.shape[-1])                                      # [M, in]
-    if two_digits:
-        rest = x / jnp.where(s > 0, s, 1.0) - q                            # in [-1/2, 1/2]
-        q2 = jnp.clip(jnp.round(rest * SECOND_DIGIT), -QMAX, QMAX).astype(jnp.int8)
-        rows = jnp.concatenate([rows, q2.reshape(rows.shape)])            # [2M, in]: the digits stacked
+    rows, s = int8_digits(x, two_digits)
+    return digits_dot(w, rows, s, two_digits).reshape(*x.shape[:-1], w.shape[0])
+
+
+def int8_digits(x: jax.Array, two_digits: bool) -> tuple[jax.Array, jax.Array]:
+    """x [..., in] float -> (rows int8 [M or 2M, in], s float32 [M, 1]), M the tokens: each token's int8 digit
+    q1 = round(x / s), s = max|x| / 127, and with `two_digits` the remainder's digit q2 (steps of 1/254) in the
+    rows after them."""
+    x = x.reshape(-1, x.shape[-1])
+    q, s = quantize_rows(x)                                                # [M, in] int8, [M, 1]
+    if not two_digits:
+        return q, s
+    rest = x / jnp.where(s > 0, s, 1.0) - q                                # in [-1/2, 1/2]
+    q2 = jnp.clip(jnp.round(rest * SECOND_DIGIT), -QMAX, QMAX).astype(jnp.int8)
+    return jnp.concatenate([q, q2]), s                                     # [2M, in]: the digits stacked
+
+
+def digits_dot(w: jax.Array, rows: jax.Array, s: jax.Array, two_digits: bool) -> jax.Array:
+    """`int8_digits`' (rows, s) times int8 w [out, in] -> float32 [M, out] (before the weight's scale)."""
     y = weight_first_dot(w, rows)                                          # [out, M or 2M] float32
     if two_digits:
         m = y.shape[1] // 2
         y = y[:, :m] + y[:, m:] * (1.0 / SECOND_DIGIT)
-    return y.T.reshape(*x.shape[:-1], w.shape[0]) * s
+    return y.T * s
 
 
 def weight_first_dot(w: jax.Array, rows: jax.Array) -> jax.Array:

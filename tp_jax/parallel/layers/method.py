@@ -105,7 +105,8 @@ class LinearMethod:
       layer's one statement `weight` (HF layout `[out, in]`, parts, split) for a float
       param of global `shape` and `dtype` (the layer's unquantized kernel or table);
     * `apply(layer, x)`: x[..., in_local] -> [..., out_local], this rank's GEMM (no bias, no
-      collective: those are the layer's);
+      collective: those are the layer's); `prepare(x)` / `apply_prepared(layer, p)` split it where a part
+      depends on x alone (int8 activations), so a switched GEMM computes that part once;
     * `embed(layer, ids)`: rows W[ids] -> [..., in] (EMBEDDING kind only).
     """
     name: ClassVar[str] = "?"
@@ -126,6 +127,16 @@ class LinearMethod:
 
     def apply(self, layer, x: jax.Array) -> jax.Array:
         raise NotImplementedError
+
+    def prepare(self, x: jax.Array):
+        """The part of `apply` that reads x [M, in] alone (an activation quantization), as a pytree of arrays: a
+        switched GEMM (layers/base.py `MethodLayer.gemm`) runs it once, outside its per-layer branches, and each
+        branch `apply_prepared(layer, prepare(x))` == `apply(layer, x)`. Default: x itself."""
+        return x
+
+    def apply_prepared(self, layer, prepared) -> jax.Array:
+        """`apply(layer, x)` given `prepare(x)` (x [M, in] -> [M, out_local])."""
+        return self.apply(layer, prepared)
 
     def embed(self, layer, ids: jax.Array) -> jax.Array:
         raise NotImplementedError

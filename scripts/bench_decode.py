@@ -41,7 +41,7 @@ def parse_args():
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--layers", nargs="+", default=["auto"], choices=["auto", "scan", "switch", "unrolled"],
-                    help="LLM(layer_loop=...), each measured in this run (default auto: switch on CPU)")
+                    help="LLM(layer_loop=...), each measured in this run (default auto: switch on one CPU device)")
     ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("--quantization", nargs="+", default=["auto"], help="auto, none, int8, gguf (several: side "
                     "by side in one run)")

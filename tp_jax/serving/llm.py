@@ -69,8 +69,9 @@ class LLM:
     "scan": a lax.scan over the stacked weights, which XLA:CPU copies out layer by layer; "switch": one
     array per layer in a layer loop, each GEMM a lax.switch over the layers, weights read in place at the
     scan's compile time; "unrolled": one array per layer, the layers unrolled, about 10x the compile time
-    per step shape; "auto" (the default): "switch" on CPU, where it measured about 2x the scan's decode
-    tokens/s, and "scan" on GPU / TPU, where conditionals in the loop have not been measured; `.layer_loop`
+    per step shape; "auto" (the default): "switch" on a one-device CPU mesh, where it measured 1.35-1.85x
+    the scan's decode tokens/s, and "scan" on several (simulated CPU devices sharing cores: the scan
+    measured faster) and on GPU / TPU, where conditionals in the loop have not been measured; `.layer_loop`
     says which runs; see docs/performance.md);
     quantization ("auto": a quantized GGUF file becomes "w8a8x2" on CPU and keeps its Q8_0 /
     Q4_0 / Q4_1 blocks elsewhere, other checkpoints load as stored; "int8": weight-only int8 per
@@ -131,7 +132,7 @@ class LLM:
         from tp_jax.loaders.quantize import describe_methods
         self.quantization = describe_methods(self.model)
         from tp_jax.parallel.layers.stack import layer_loop_for, use_layer_loop
-        self.layer_loop = layer_loop_for(layer_loop, self.mesh.devices.flat[0].platform)
+        self.layer_loop = layer_loop_for(layer_loop, self.mesh.devices.flat[0].platform, self.mesh.devices.size)
         use_layer_loop(self.model, self.mesh, self.layer_loop)
         self.seed, self.max_num_seqs = seed, max_num_seqs
         self._forward = None

@@ -15,9 +15,10 @@ over the slots whose branch j applies slot j's own weight (`MethodLayer.gemm`), 
 XLA reads in place; the other params (norms, biases: small) are stacked and indexed per layer.
 
 `LLM(layer_loop=...)` picks one of the three (`LAYER_LOOPS`, `layer_loop_for`): "scan" (the stack as
-built), "unrolled" (`unstack`), "switch" (`unstack(switch=True)`); "auto" is "switch" on CPU, where it
-was measured (about 2x the scan's decode tokens/s, the scan's compile time: docs/performance.md), and
-"scan" on other platforms, where XLA:GPU / TPU conditionals in the layer loop have not been measured.
+built), "unrolled" (`unstack`), "switch" (`unstack(switch=True)`); "auto" is "switch" on one CPU device,
+where it was measured faster (docs/performance.md), and "scan" on several devices (simulated CPU devices
+sharing cores measured the scan faster) and on other platforms, where XLA:GPU / TPU conditionals in the
+layer loop have not been measured.
 """
 
 from __future__ import annotations
@@ -151,13 +152,16 @@ def _gemm_weights(module: nnx.Module) -> set[int]:
 LAYER_LOOPS = ("auto", "scan", "switch", "unrolled")
 
 
-def layer_loop_for(choice: str, platform: str) -> str:
-    """The layer loop `choice` (one of LAYER_LOOPS) means on `platform` ("cpu", "gpu", "tpu"): "auto" is
-    "switch" on CPU (measured: docs/performance.md) and "scan" elsewhere (not measured there)."""
+def layer_loop_for(choice: str, platform: str, num_devices: int = 1) -> str:
+    """The layer loop `choice` (one of LAYER_LOOPS) means for a mesh of `num_devices` on `platform` ("cpu",
+    "gpu", "tpu"): "auto" is "switch" on one CPU device and "scan" otherwise, as measured
+    (docs/performance.md): on one CPU device the switched loop decodes 1.35-1.85x the scan's tokens/s; on
+    simulated CPU devices sharing a few cores (tp = 8 on 2 cores) each device's conditionals cost more than
+    the copies they save (decode 6.9 vs 9.2 tokens/s, compile 11.2 vs 4.1 s); GPU / TPU were not measured."""
     if choice not in LAYER_LOOPS:
         raise ValueError(f"layer_loop={choice!r}: choose one of {LAYER_LOOPS}")
     if choice == "auto":
-        return "switch" if platform == "cpu" else "scan"
+        return "switch" if platform == "cpu" and num_devices == 1 else "scan"
     return choice
 
 

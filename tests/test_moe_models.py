@@ -220,7 +220,7 @@ def test_int8_quantization(moe_references, ep):
     ckpt, ids, logits, _ = moe_references["mixtral"]
     llm = LLM(ckpt, tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=ep, quantization="int8",
               progress=False, compile_cache=False)
-    layer = llm.model.model.layers.slots[0]                            # the default layer loop on CPU: "switch"
+    layer = llm.model.model.layers.layers                              # several devices: "auto" is the scan
     experts = layer.mlp.experts
     assert isinstance(layer.self_attn.qkv_proj.method, Int8) and isinstance(layer.mlp.gate.method, Unquantized)
     assert isinstance(experts.method, Int8)

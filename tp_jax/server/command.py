@@ -72,7 +72,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
                     help="how a step runs the decoder layers: scan (stacked weights), switch (per-layer weights "
                          "in a loop, read in place), unrolled (~10x compile time per shape); auto: switch on "
-                         "CPU, scan elsewhere (docs/performance.md)")
+                         "one CPU device, scan elsewhere (docs/performance.md)")
     ap.add_argument("--enable-expert-parallel", action="store_true",
                     help="MoE models: whole experts on the dp x tp devices of each stage (default: each expert "
                          "split over tp)")

@@ -9,7 +9,8 @@ Each request is sent at its arrival time as a streaming completion (`POST /v1/co
 prompt as token ids, temperature 0, `ignore_eos`, usage in the last chunk), so every request
 makes exactly `max_tokens` tokens. Time to first token is arrival -> first streamed token,
 time per output token is (last - first) / (tokens - 1) per request (as `summarize`), and
-inter-token latency is every gap between a stream's successive chunks. Used by
+inter-token latency is every gap between a stream's successive chunks (a burst of chunks read
+together, as after the server's event loop waited on the engine, shows as gaps near zero). Used by
 `scripts/bench_serving.py --server URL`; it works against any OpenAI-compatible server.
 """
 
@@ -33,7 +34,7 @@ def summarize(records: list[dict], wall: float) -> dict:
 
 
 def _pct(x, q) -> float | None:
-    return round(float(np.percentile(x, q)), 4) if len(x) else None
+    return round(float(np.percentile(x, q)), 6) if len(x) else None     # seconds, to the microsecond
 
 
 def bench_server(url: str, work: list[dict], *, model: str | None = None, api_key: str | None = None,

@@ -51,15 +51,17 @@ def for_mesh(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
 
 
 def load_from_source(cfg: ModelConfig, source, mesh: Mesh, dtype=jnp.float32, progress: bool = True, *,
-                     check_weights: bool = True, quantization: str | None = None) -> nnx.Module:
+                     check_weights: bool = True, quantization: str | None = None,
+                     layer_loop: str | None = None) -> nnx.Module:
     """The model for `cfg` on `mesh`, each device's params read from `source` (see `load_state`).
 
     `quantization`: None (float), "int8", "gguf" or "auto" (loaders/quantize.py); its
-    problems are raised before any tensor data is read.
+    problems are raised before any tensor data is read. `layer_loop`: the loop the model will run,
+    which "auto" weighs for a bf16 checkpoint (`plan_methods`).
     """
     model = abstract_model(cfg, mesh, dtype)
     table = architecture(cfg.architecture).weights(cfg).for_names(source.keys())
-    methods = plan_methods(model, table, source, cfg.num_layers, quantization)
+    methods = plan_methods(model, table, source, cfg.num_layers, quantization, layer_loop)
     if methods:
         model = abstract_model(cfg, mesh, dtype, methods)
     fill(model, load_state(model, mesh, source, table, cfg.num_layers, jnp.dtype(dtype), progress,

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from tp_jax.loaders.bind import Binding, as_table, bind
@@ -38,13 +39,17 @@ from tp_jax.parallel.layers.quantization import AUTO, FLOAT_TYPES, NONE, quantiz
 
 
 def plan_methods(model: nnx.Module, table: WeightTable | Sequence[Entry], source, num_layers: int,
-                 quantization: str | None) -> dict[str, LinearMethod]:
-    """{dotted module path: method} for the layers `quantization` quantizes (empty: all float)."""
+                 quantization: str | None, layer_loop: str | None = None) -> dict[str, LinearMethod]:
+    """{dotted module path: method} for the layers `quantization` quantizes (empty: all float).
+
+    `layer_loop`: the loop the model will run ("scan", "switch", "unrolled"), which "auto" weighs for a
+    bf16 checkpoint (`auto_choice`); None: "auto" leaves float weights in the run's dtype (LLM passes None
+    when the user names the dtype)."""
     if quantization is None or quantization == NONE:
         return {}
     weights = _weight_bindings(model, table)
     if quantization == AUTO:
-        return _auto(weights, source, num_layers)
+        return _auto(weights, source, num_layers, layer_loop)
     return _strict(quantization, weights, source, num_layers)
 
 
@@ -93,21 +98,29 @@ def _strict(name: str, weights: list[Binding], source, num_layers: int) -> dict[
 
 
 AUTO_GGUF = {"cpu": "w8a8x2"}                # platform -> what "auto" picks for a quantized GGUF (others: "gguf")
+AUTO_BF16 = {"cpu": ("switch", "unrolled")}  # platform -> the layer loops where "auto" gives a bf16 checkpoint "bf16"
 
 
-def auto_choice(quant_types: set[str | None], platform: str) -> str | None:
+def auto_choice(quant_types: set[str | None], platform: str, stored_bf16: bool = False,
+                layer_loop: str | None = None) -> str | None:
     """The configuration "auto" picks for a checkpoint whose weights have GGUF types `quant_types` (None: not a
-    GGUF tensor) on `platform` (jax's backend name): `AUTO_GGUF`'s for quantized GGUF weights, else None."""
+    GGUF tensor) on `platform` (jax's backend name): `AUTO_GGUF`'s for quantized GGUF weights; "bf16" when
+    every weight is stored in bfloat16 (`stored_bf16`) and `layer_loop` is one of `AUTO_BF16[platform]`
+    (measured faster than float32 there: docs/performance.md); else None."""
     if any(q not in (None, *FLOAT_TYPES) for q in quant_types):
         return AUTO_GGUF.get(platform, "gguf")
+    if stored_bf16 and layer_loop in AUTO_BF16.get(platform, ()):
+        return "bf16"
     return None
 
 
-def _auto(weights: list[Binding], source, num_layers: int) -> dict[str, LinearMethod]:
+def _auto(weights: list[Binding], source, num_layers: int, layer_loop: str | None) -> dict[str, LinearMethod]:
     """`auto_choice`'s configuration for this checkpoint (None: {}); a GGUF layer it cannot keep loads
     dequantized to float, with one warning naming those layers and why."""
-    types = {getattr(t, "quant_type", None) for b in weights for t in _tensors(b, source, num_layers).values()}
-    name = auto_choice(types, jax.default_backend())
+    views = [t for b in weights for t in _tensors(b, source, num_layers).values()]
+    types = {t.quant_type for t in views}
+    stored_bf16 = bool(views) and all(t.stored_dtype == jnp.bfloat16 for t in views)
+    name = auto_choice(types, jax.default_backend(), stored_bf16, layer_loop)
     if name is None:
         return {}
     plan, problems = _plan(name, weights, source, num_layers)

@@ -29,10 +29,12 @@ class CheckpointError(ValueError):
 
 
 class SafetensorsTensor:
-    """One tensor: `.shape`, `.file_dtype` (the file's), and `[slices]` reading only that slice."""
+    """One tensor: `.shape`, `.file_dtype` (the file's code, "BF16"), `.dtype` (its numpy dtype), and `[slices]`
+    reading only that slice."""
 
     def __init__(self, path: str, name: str, shape: tuple[int, ...], dtype: str):
         self.path, self.name, self.shape, self.file_dtype = path, name, shape, dtype
+        self.dtype = BY_SAFETENSORS[dtype].numpy
 
     def __repr__(self) -> str:
         return f"SafetensorsTensor({self.name!r}, shape={self.shape}, {self.file_dtype}, {self.path})"

@@ -153,6 +153,38 @@ def test_bf16_checkpoint_with_bf16_dots_against_transformers(root, ids):
         assert err <= gap16 and rel_err(got, ref32) <= 1e-2
 
 
+def test_auto_gives_a_bf16_checkpoint_bf16_dots_where_they_are_fast(root, ids):
+    """The default quantization="auto" on CPU: a checkpoint stored in bf16 gets bf16 dots under the switched or
+    unrolled layer loop (one device: the default), float32 under the scan (several devices: the default), with a
+    dtype the user names and with "none"; a float32 checkpoint stays float32. Each against transformers
+    float32 on the same weights: bf16 dots within transformers' own bf16 gap, float32 within 1e-4."""
+    import jax
+    import torch
+    from transformers import AutoModelForCausalLM
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU choice (accelerators run the model in bf16)")
+    path = make_checkpoint("bf16sharded", root)
+    ref32 = hf_logits(path, ids)
+    with torch.no_grad():
+        ref16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()(
+            torch.tensor(ids)).logits.float().numpy()
+    gap16 = float(np.abs(ref16 - ref32).max())
+    cases = [((1, 1, 1), {}, "switch", "bf16"), ((1, 1, 1), dict(layer_loop="unrolled"), "unrolled", "bf16"),
+             ((1, 1, 1), dict(layer_loop="scan"), "scan", "none"), ((2, 1, 1), {}, "scan", "none"),
+             ((1, 1, 1), dict(dtype="float32"), "switch", "none"), ((1, 1, 1), dict(quantization="none"), "switch", "none")]
+    for layout, kw, loop, want in cases:
+        llm = load_llm(path, layout, **kw)
+        err = float(np.abs(llm.get_logits(ids) - ref32).max())
+        print(f"bf16 tiny {layout} {kw}: {llm.layer_loop}, {llm.quantization}, max |ours - hf float32| {err:.2e} "
+              f"(hf bf16: {gap16:.2e})")
+        assert (llm.layer_loop, llm.quantization) == (loop, want)
+        assert err <= (gap16 if want == "bf16" else 1e-4)
+    path32 = make_checkpoint("gqa", root)
+    llm = load_llm(path32, (1, 1, 1))
+    assert (llm.layer_loop, llm.quantization) == ("switch", "none")
+    assert float(np.abs(llm.get_logits(ids) - hf_logits(path32, ids)).max()) <= 1e-4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization,bound", [("gguf_bf16", 2e-2), ("gguf_int8", 5e-2), ("auto", 2e-4)])
 def test_gguf_fast_dots_against_transformers_on_the_dequantized_weights(root, ids, quantization, bound):

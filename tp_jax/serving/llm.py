@@ -127,12 +127,13 @@ class LLM:
             plan_pool(abstract_model(self.config, self.mesh, self.dtype).kv_layout(), self.mesh,
                       block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                       num_gpu_blocks=num_gpu_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes)
-        self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress,
-                                      check_weights=check_weights, quantization=quantization)
-        from tp_jax.loaders.quantize import describe_methods
-        self.quantization = describe_methods(self.model)
         from tp_jax.parallel.layers.stack import layer_loop_for, use_layer_loop
         self.layer_loop = layer_loop_for(layer_loop, self.mesh.devices.flat[0].platform, self.mesh.devices.size)
+        self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress,
+                                      check_weights=check_weights, quantization=quantization,
+                                      layer_loop=self.layer_loop if dtype == "auto" else None)
+        from tp_jax.loaders.quantize import describe_methods
+        self.quantization = describe_methods(self.model)
         use_layer_loop(self.model, self.mesh, self.layer_loop)
         self.seed, self.max_num_seqs = seed, max_num_seqs
         self._forward = None

@@ -138,6 +138,13 @@ class TensorView:
         """The stored tensor's GGUF type ("Q4_1", "F32", ...), None for a plain float tensor."""
         return getattr(self.tensor, "quant_type", None)
 
+    @property
+    def stored_dtype(self) -> np.dtype | None:
+        """The stored tensor's dtype as its header says (a quantized GGUF tensor: float32, what it dequantizes
+        to), None where the source does not say."""
+        dtype = getattr(self.tensor, "dtype", None)
+        return None if dtype is None else np.dtype(dtype)
+
     def blocks(self) -> TensorView:
         """The stored tensor's raw quant blocks `[rows, in/32, bytes]`, over the same rows as this view."""
         if self.transposed:
@@ -150,6 +157,7 @@ class _Indexed:
 
     def __init__(self, tensor, index: int):
         self.tensor, self.index, self.shape = tensor, index, tuple(tensor.shape)[1:]
+        self.dtype = getattr(tensor, "dtype", None)
 
     def __getitem__(self, sl) -> np.ndarray:
         sl = _slices(sl, self.shape)

@@ -79,3 +79,43 @@ def test_int8_same_logits_at_tp3(smollm2_converted, runs, text_ids):
     diff = float(np.abs(llm.get_logits(text_ids[0]) - runs["int8"][1]).max())
     print(f"SmolLM2 int8: max |logits(tp=3) - logits(tp=2)| = {diff:.2e}")
     assert diff <= 1e-3
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2_path, tmp_path_factory):
+    """SmolLM2 as bf16 safetensors (the GGUF's weights rounded to bf16; HF's own SmolLM2 is stored in bf16)."""
+    from tp_jax.loaders.convert import convert_gguf
+    out = str(tmp_path_factory.mktemp("smollm2_bf16"))
+    convert_gguf(smollm2_path, out, "bfloat16")
+    return out
+
+
+def test_bf16_checkpoint_default_against_float32_and_transformers(smollm2_bf16, text_ids):
+    """`LLM(bf16 checkpoint)` with the defaults at tp = 1 (the switched layer loop): on CPU bf16 dots
+    ("bf16"), perplexity within 2% of float32 dots on the same weights (quantization="none"), greedy
+    agreement reported, logits within transformers' own bf16 gap of transformers float32 on those weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    ids, prompts = text_ids
+    runs = {}
+    for name, q in (("default", "auto"), ("float32", "none")):
+        llm = LLM(smollm2_bf16, quantization=q, progress=False)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))]
+        runs[name] = llm.quantization, llm.get_logits(ids), tokens
+    refs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = AutoModelForCausalLM.from_pretrained(smollm2_bf16, dtype=dtype).eval()
+        with torch.no_grad():
+            refs[dtype] = hf(torch.tensor(ids)).logits.float().numpy()
+    (label, logits, tokens), (_, fp_logits, fp_tokens) = runs["default"], runs["float32"]
+    ppl, fp_ppl = perplexity(logits, ids), perplexity(fp_logits, ids)
+    err, fp_err = (float(np.abs(x - refs[torch.float32]).max()) for x in (logits, fp_logits))
+    gap16 = float(np.abs(refs[torch.bfloat16] - refs[torch.float32]).max())
+    print(f"SmolLM2 bf16 checkpoint, default ({label}) tp=1, {ids.shape[1]} tokens: perplexity {ppl:.4f} vs float32 "
+          f"{fp_ppl:.4f} ({100 * (ppl / fp_ppl - 1):+.2f}%), greedy agreement {agreement(tokens, fp_tokens):.3f} "
+          f"({len(GREEDY_PROMPTS)} prompts x 32); max |logits - hf float32| {err:.3f} (float32 dots {fp_err:.1e}, "
+          f"hf bf16 {gap16:.3f})")
+    assert label == ("bf16" if jax.default_backend() == "cpu" else "none") and runs["float32"][0] == "none"
+    assert abs(ppl / fp_ppl - 1) <= 0.02 and agreement(tokens, fp_tokens) >= 0.5
+    assert err <= gap16 and fp_err <= 1e-3

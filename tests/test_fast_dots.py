@@ -6,7 +6,8 @@ on the same weights, within a stated bound, at tp in {1, 2, 8} and pp = 2.
   against numpy on the weights the method holds (the float weight; int8's Q * s by numpy; the
   blocks dequantized by the `gguf` package), one row (padded to two inside) and six;
 * models: a bf16 tiny Llama with quantization="bf16" against transformers in bfloat16 and in
-  float32 on the same weights; the tiny GGUF with each fast dot (and "auto": W8A8 with two digits
+  float32 on the same weights, and what the default "auto" picks for it (bf16 dots under the switched /
+  unrolled loop, float32 under the scan, with a named dtype, "none", and for a float32 checkpoint); the tiny GGUF with each fast dot (and "auto": W8A8 with two digits
   on CPU) against transformers on the dequantized weights (int8-rounded where the method holds
   int8), and W8A8 against transformers on the int8 weights.
 

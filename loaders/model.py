@@ -61,7 +61,7 @@ def load_from_source(cfg: ModelConfig, source, mesh: Mesh, dtype=jnp.float32, pr
     """
     model = abstract_model(cfg, mesh, dtype)
     table = architecture(cfg.architecture).weights(cfg).for_names(source.keys())
-    methods = plan_methods(model, table, source, cfg.num_layers, quantization, layer_loop)
+    methods = plan_methods(model, table, source, cfg.num_layers, quantization, layer_loop, mesh.devices.size)
     if methods:
         model = abstract_model(cfg, mesh, dtype, methods)
     fill(model, load_state(model, mesh, source, table, cfg.num_layers, jnp.dtype(dtype), progress,

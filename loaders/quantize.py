@@ -1,6 +1,7 @@
 """Choosing each layer's linear method for a checkpoint, before any tensor byte is read.
 
-    plan_methods(model, table, source, num_layers, quantization, layer_loop) -> {module path: LinearMethod}
+    plan_methods(model, table, source, num_layers, quantization, layer_loop, num_devices)
+        -> {module path: LinearMethod}
 
 `quantization`: None or "none" (every weight float, as stored or dequantized), a registered name
 ("bf16", "int8", "w8a8", "w8a8x2", "gguf", "gguf_bf16", "gguf_int8"; `tp_jax.parallel.layers.quantization`),
@@ -11,11 +12,11 @@ or "auto", which picks by checkpoint and platform (`auto_choice`, measured in do
   fastest; SmolLM2 +1.5% perplexity against the file's float32 weights), elsewhere its blocks
   kept with dots in the model's dtype ("gguf");
 * a float checkpoint whose weights are all stored in bfloat16 (safetensors / Orbax headers, GGUF BF16
-  tensors), on CPU under the switched or unrolled layer loop (`AUTO_BF16`; the default "switch" on one
-  device), with the run's dtype "auto": "bf16", the weights as stored and bf16 x bf16 -> float32 dots
+  tensors), on a one-device CPU mesh under the switched or unrolled layer loop (`AUTO_BF16`; "switch" is
+  the default there), with the run's dtype "auto": "bf16", the weights as stored and bf16 x bf16 -> float32 dots
   (SmolLM2 from a bf16 copy, tp = 1: decode 1.0-1.9x / 1.4-2.1x float32's tokens/s at
-  batch 1 / 8, perplexity +0.02%); under the scan (the default on several devices), where XLA:CPU's bf16 dot is slow,
-  float32;
+  batch 1 / 8, perplexity +0.02%); under the scan, where XLA:CPU's bf16 dot is slow, and on several
+  devices, float32;
 * any other checkpoint: None, the float weights in the run's dtype (float32 on CPU, bit for
   bit; bf16 on accelerators). A float32 checkpoint's numbers change only when asked
   ("w8a8x2", "int8", "bf16", ...).
@@ -45,17 +46,18 @@ from tp_jax.parallel.layers.quantization import AUTO, FLOAT_TYPES, NONE, quantiz
 
 
 def plan_methods(model: nnx.Module, table: WeightTable | Sequence[Entry], source, num_layers: int,
-                 quantization: str | None, layer_loop: str | None = None) -> dict[str, LinearMethod]:
+                 quantization: str | None, layer_loop: str | None = None,
+                 num_devices: int = 1) -> dict[str, LinearMethod]:
     """{dotted module path: method} for the layers `quantization` quantizes (empty: all float).
 
-    `layer_loop`: the loop the model will run ("scan", "switch", "unrolled"), which "auto" weighs for a
-    bf16 checkpoint (`auto_choice`); None: "auto" leaves float weights in the run's dtype (LLM passes None
-    when the user names the dtype)."""
+    `layer_loop` ("scan", "switch", "unrolled") and `num_devices`: the loop the model will run and its
+    mesh's size, which "auto" weighs for a bf16 checkpoint (`auto_choice`); layer_loop None: "auto" leaves
+    float weights in the run's dtype (LLM passes None when the user names the dtype)."""
     if quantization is None or quantization == NONE:
         return {}
     weights = _weight_bindings(model, table)
     if quantization == AUTO:
-        return _auto(weights, source, num_layers, layer_loop)
+        return _auto(weights, source, num_layers, layer_loop, num_devices)
     return _strict(quantization, weights, source, num_layers)
 
 
@@ -105,28 +107,31 @@ def _strict(name: str, weights: list[Binding], source, num_layers: int) -> dict[
 
 AUTO_GGUF = {"cpu": "w8a8x2"}                # platform -> what "auto" picks for a quantized GGUF (others: "gguf")
 AUTO_BF16 = {"cpu": ("switch", "unrolled")}  # platform -> the layer loops where "auto" gives a bf16 checkpoint "bf16"
+                                             # on a one-device mesh
 
 
 def auto_choice(quant_types: set[str | None], platform: str, stored_bf16: bool = False,
-                layer_loop: str | None = None) -> str | None:
+                layer_loop: str | None = None, num_devices: int = 1) -> str | None:
     """The configuration "auto" picks for a checkpoint whose weights have GGUF types `quant_types` (None: not a
     GGUF tensor) on `platform` (jax's backend name): `AUTO_GGUF`'s for quantized GGUF weights; "bf16" when
-    every weight is stored in bfloat16 (`stored_bf16`) and `layer_loop` is one of `AUTO_BF16[platform]`
-    (measured faster than float32 there: docs/performance.md); else None."""
+    every weight is stored in bfloat16 (`stored_bf16`), `layer_loop` is one of `AUTO_BF16[platform]` and the
+    mesh is one device (measured faster than float32 there; slower under the scan and, at batch 1, on 8
+    simulated devices: docs/performance.md); else None."""
     if any(q not in (None, *FLOAT_TYPES) for q in quant_types):
         return AUTO_GGUF.get(platform, "gguf")
-    if stored_bf16 and layer_loop in AUTO_BF16.get(platform, ()):
+    if stored_bf16 and num_devices == 1 and layer_loop in AUTO_BF16.get(platform, ()):
         return "bf16"
     return None
 
 
-def _auto(weights: list[Binding], source, num_layers: int, layer_loop: str | None) -> dict[str, LinearMethod]:
+def _auto(weights: list[Binding], source, num_layers: int, layer_loop: str | None,
+          num_devices: int) -> dict[str, LinearMethod]:
     """`auto_choice`'s configuration for this checkpoint (None: {}); a GGUF layer it cannot keep loads
     dequantized to float, with one warning naming those layers and why."""
     views = [t for b in weights for t in _tensors(b, source, num_layers).values()]
     types = {t.quant_type for t in views}
     stored_bf16 = bool(views) and all(t.stored_dtype == jnp.bfloat16 for t in views)
-    name = auto_choice(types, jax.default_backend(), stored_bf16, layer_loop)
+    name = auto_choice(types, jax.default_backend(), stored_bf16, layer_loop, num_devices)
     if name is None:
         return {}
     plan, problems = _plan(name, weights, source, num_layers)

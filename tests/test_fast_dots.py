@@ -155,9 +155,9 @@ def test_bf16_checkpoint_with_bf16_dots_against_transformers(root, ids):
 
 
 def test_auto_gives_a_bf16_checkpoint_bf16_dots_where_they_are_fast(root, ids):
-    """The default quantization="auto" on CPU: a checkpoint stored in bf16 gets bf16 dots under the switched or
-    unrolled layer loop (one device: the default), float32 under the scan (several devices: the default), with a
-    dtype the user names and with "none"; a float32 checkpoint stays float32. Each against transformers
+    """The default quantization="auto" on CPU: a checkpoint stored in bf16 gets bf16 dots on one device under the
+    switched or unrolled layer loop (there the default is "switch"), float32 under the scan, on several devices,
+    with a dtype the user names and with "none"; a float32 checkpoint stays float32. Each against transformers
     float32 on the same weights: bf16 dots within transformers' own bf16 gap, float32 within 1e-4."""
     import jax
     import torch
@@ -172,6 +172,7 @@ def test_auto_gives_a_bf16_checkpoint_bf16_dots_where_they_are_fast(root, ids):
     gap16 = float(np.abs(ref16 - ref32).max())
     cases = [((1, 1, 1), {}, "switch", "bf16"), ((1, 1, 1), dict(layer_loop="unrolled"), "unrolled", "bf16"),
              ((1, 1, 1), dict(layer_loop="scan"), "scan", "none"), ((2, 1, 1), {}, "scan", "none"),
+             ((2, 1, 1), dict(layer_loop="switch"), "switch", "none"),
              ((1, 1, 1), dict(dtype="float32"), "switch", "none"), ((1, 1, 1), dict(quantization="none"), "switch", "none")]
     for layout, kw, loop, want in cases:
         llm = load_llm(path, layout, **kw)

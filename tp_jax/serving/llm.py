@@ -74,9 +74,9 @@ class LLM:
     measured faster) and on GPU / TPU, where conditionals in the loop have not been measured; `.layer_loop`
     says which runs; see docs/performance.md);
     quantization ("auto": a quantized GGUF file becomes "w8a8x2" on CPU and keeps its Q8_0 /
-    Q4_0 / Q4_1 blocks elsewhere; a checkpoint stored in bfloat16 becomes "bf16" on CPU when the layer
-    loop is "switch" or "unrolled" (the default on one device) and dtype is "auto", float32 under the scan;
-    other checkpoints load as stored; "int8": weight-only int8 per
+    Q4_0 / Q4_1 blocks elsewhere; a checkpoint stored in bfloat16 becomes "bf16" on one CPU device when
+    the layer loop is "switch" or "unrolled" ("switch" is the default there) and dtype is "auto", float32
+    under the scan and on several devices; other checkpoints load as stored; "int8": weight-only int8 per
     output channel, quantized per device at load; "w8a8": int8 weights and per-token int8
     activations; "w8a8x2": int8 weights, activations as two int8 digits (~15 bits); "bf16":
     bf16 weights, bf16 x bf16 -> float32 dots; "gguf": keep GGUF blocks, float32 dots, an error

@@ -165,7 +165,7 @@ def _refuse_existing(ckpt_dir: str) -> None:
 
 
 def _dtype_of(t) -> np.dtype:
-    """A lazy tensor's dtype: its `.dtype`, else that of a one-element read (safetensors slices)."""
+    """A lazy tensor's dtype: its `.dtype`, else that of a one-element read (a source that does not say)."""
     if getattr(t, "dtype", None) is not None:
         return np.dtype(t.dtype)
     return np.asarray(t[tuple(slice(0, 1) for _ in t.shape)]).dtype

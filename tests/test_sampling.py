@@ -222,6 +222,19 @@ def test_tiny_temperature_is_argmax(temperature):
     np.testing.assert_array_equal(draws(jnp.asarray(logits), t, n=50), np.tile(top, (50, 1)))
 
 
+def test_argmax_equals_numpy():
+    from tp_jax.serving.sampling import argmax
+    nan, inf = np.nan, np.inf
+    edge = np.array([[1, 3, 3, 2], [nan, 1, nan, 5], [2, nan, 9, 9], [-inf] * 4, [0.0, -0.0, 0.0, -1],
+                     [-0.0, 0.0, 0.0, 0.0], [F32_MIN, F32_MIN, -inf, F32_MIN], [-inf, -inf, inf, inf]], np.float32)
+    vocab = np.random.default_rng(7).standard_normal((5, 49152)).astype(np.float32)
+    vocab[1, [17, 40000]] = 9.0                                # a tie between two far-apart ids
+    for x in (edge, vocab):
+        got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, x.argmax(-1))
+
+
 def test_greedy_fast_path_equals_sample():
     from tp_jax.serving.sampling import greedy, sample
     rng = np.random.default_rng(5)

@@ -200,6 +200,20 @@ def test_sampled_frequencies_match_renormalized_probs():
         assert (np.abs(freq - p) <= bound).all(), (kw, freq.round(3), p.round(3))
 
 
+def test_draws_are_jax_categoricals():
+    """A row draws jax.random.categorical(fold_in(key, step), processed logits): seeded outputs are kept."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 2048)).astype(np.float32) * 3
+    logits[:, 2000:] = F32_MIN                                 # padded vocab
+    t = tensors(*(SamplingParams(seed=i, **kw) for i, kw in enumerate(
+        [dict(), dict(top_k=50, temperature=0.7), dict(top_p=0.8), dict(min_p=0.05, temperature=1.3)])), vocab=2048)
+    x = process_logits(jnp.where(logits <= F32_MIN, -jnp.inf, logits), t)
+    for step in range(5):
+        keys = jax.vmap(jax.random.fold_in)(t.keys, jnp.full((4,), step))
+        want = jax.vmap(jax.random.categorical)(keys, x)
+        np.testing.assert_array_equal(sample(jnp.asarray(logits), t, step)[0], want)
+
+
 def test_ties_at_a_boundary_are_kept():
     """vLLM keeps logits >= the k-th largest (all ties) and drops only probs < min_p * max."""
     logits = jnp.asarray([[1.0, 3.0, 2.0, 2.0, 2.0, 0.0], [3.0, 1.0, 3.0, 2.0, 0.0, 0.0]])

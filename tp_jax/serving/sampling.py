@@ -283,7 +283,9 @@ def sample(logits: jax.Array, tensors: SamplingTensors, step: int | jax.Array = 
     greedy = tensors.temperature < SAMPLING_EPS
     steps = jnp.broadcast_to(step, greedy.shape)
     keys = jax.vmap(jax.random.fold_in)(tensors.keys, steps)
-    drawn = jax.vmap(jax.random.categorical)(keys, process_logits(logits, tensors))
+    x = process_logits(logits, tensors)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, x.shape[-1:], x.dtype))(keys)
+    drawn = argmax(x + gumbel)                  # jax.random.categorical's Gumbel-max draw: the same ids
     tokens = jnp.where(greedy, argmax(logits), drawn).astype(jnp.int32)
     return tokens, _logprobs(raw, tokens, num_logprobs)
 

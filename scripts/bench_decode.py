@@ -6,9 +6,10 @@
 Decode time is T(N tokens) - T(1 token), for both engines, so prefill and compile are out.
 Roofline: bytes of weights read per decode step / the machine's measured read bandwidth.
 `bare_forward_ms` times the model's jitted forward alone on the same decode step (the
-engine's batch, its paged pool), so `step_over_forward` is the engine's own overhead
-(scheduling, batch building, transfers, sampling). With --pp > 1 each batch row also reports
-the GPipe bubble (idle stage-steps / total) for the engine's micro-batch count.
+engine's batch, its paged pool), as many runs as the decode has steps, in rounds alternating
+with the decode's, so `step_over_forward` is the engine's own overhead (scheduling, batch
+building, transfers, sampling). With --pp > 1 each batch row also reports the GPipe bubble
+(idle stage-steps / total) for the engine's micro-batch count.
 Every combination of `--quantization` (auto / none / bf16 / int8 / w8a8 / w8a8x2 / gguf / gguf_bf16 /
 gguf_int8) and `--layers` (`LLM(layer_loop=...)`: auto, scan, switch, unrolled) is loaded in turn and
 measured in the same run, side by side ("results": one entry each, with the bytes of weights per device and
@@ -66,17 +67,27 @@ def _timed(fn) -> float:
 
 
 def ours(llm, ids, batch, n):
+    """(seconds per decode step through LLM.generate, seconds of the bare forward, the greedy tokens).
+
+    The forward runs n - 1 times back to back, as many as the decode's steps; the two are timed in
+    alternating rounds and each keeps its best round, so both see the same moments of a shared machine."""
+    import jax
     from tp_jax import SamplingParams
     run = lambda k: llm.generate([ids] * batch, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
-    run(n), run(1)                                                    # compile both paths
-    t_n = min(_timed(lambda: run(n)) for _ in range(2))
-    t_1 = min(_timed(lambda: run(1)) for _ in range(2))
-    return (t_n - t_1) / (n - 1), run(n)[0].outputs[0].token_ids
+    step = decode_step(llm, ids, batch, n)
+    forward = lambda: jax.block_until_ready(llm.engine.core.runner.forward(step))
+    run(n), run(1), forward()                                         # compile both paths
+    t_n, t_1, t_f = [], [], []
+    for _ in range(2):
+        t_n.append(_timed(lambda: run(n)))
+        t_1.append(_timed(lambda: run(1)))
+        t_f.append(_timed(lambda: [forward() for _ in range(n - 1)]))
+    return (min(t_n) - min(t_1)) / (n - 1), min(t_f) / (n - 1), run(n)[0].outputs[0].token_ids
 
 
-def bare_forward(llm, ids, batch, n) -> float:
-    """Seconds of the jitted forward alone on a decode step of `batch` rows (context ~ prompt + n/2)."""
-    import jax
+def decode_step(llm, ids, batch, n):
+    """The engine's decode batch of `batch` rows at context ~ prompt + n/2, its slots cleared (-1) so that
+    running it writes nothing into the pool: it reads the blocks of requests that have left."""
     from tp_jax.serving.batch import build_batch
     from tp_jax import SamplingParams
     engine, core = llm.engine, llm.engine.core
@@ -86,12 +97,10 @@ def bare_forward(llm, ids, batch, n) -> float:
         engine.step()
     out = core.scheduler.schedule()                            # all decoding now: one token each
     step = build_batch(out, [b.tables for b in core.scheduler.blocks], core.config.block_size, core.microbatches)
-    run = lambda: jax.block_until_ready(core.runner.forward(step))
-    run()
-    best = min(_timed(run) for _ in range(5))
+    step.slots[:] = -1
     for i in range(batch):
         engine.abort(f"bare{i}")
-    return best
+    return step
 
 
 def theirs(model, ids, batch, n):
@@ -149,9 +158,8 @@ def measure(args, quantization: str, layers: str, bandwidth: float, hf, first_to
     roofline_step = weight_bytes / (bandwidth * 1e9)
     steps = {}
     for b in args.batch:
-        step, toks = ours(llm, ids, b, args.tokens)
+        step, fwd, toks = ours(llm, ids, b, args.tokens)
         steps[b] = step
-        fwd = bare_forward(llm, ids, b, args.tokens)
         mb = llm.engine.core.microbatches
         row = {"tp_jax_tokens_per_s": round(b / step, 2), "tp_jax_step_ms": round(step * 1e3, 2),
                "bare_forward_ms": round(fwd * 1e3, 2), "step_over_forward": round(step / fwd, 3),

@@ -200,6 +200,20 @@ def test_sampled_frequencies_match_renormalized_probs():
         assert (np.abs(freq - p) <= bound).all(), (kw, freq.round(3), p.round(3))
 
 
+def test_draws_are_jax_categoricals():
+    """A row draws jax.random.categorical(fold_in(key, step), processed logits): seeded outputs are kept."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 2048)).astype(np.float32) * 3
+    logits[:, 2000:] = F32_MIN                                 # padded vocab
+    t = tensors(*(SamplingParams(seed=i, **kw) for i, kw in enumerate(
+        [dict(), dict(top_k=50, temperature=0.7), dict(top_p=0.8), dict(min_p=0.05, temperature=1.3)])), vocab=2048)
+    x = process_logits(jnp.where(logits <= F32_MIN, -jnp.inf, logits), t)
+    for step in range(5):
+        keys = jax.vmap(jax.random.fold_in)(t.keys, jnp.full((4,), step))
+        want = jax.vmap(jax.random.categorical)(keys, x)
+        np.testing.assert_array_equal(sample(jnp.asarray(logits), t, step)[0], want)
+
+
 def test_ties_at_a_boundary_are_kept():
     """vLLM keeps logits >= the k-th largest (all ties) and drops only probs < min_p * max."""
     logits = jnp.asarray([[1.0, 3.0, 2.0, 2.0, 2.0, 0.0], [3.0, 1.0, 3.0, 2.0, 0.0, 0.0]])
@@ -220,6 +234,19 @@ def test_tiny_temperature_is_argmax(temperature):
     rows = [dict(), dict(top_k=3), dict(top_p=0.5, seed=3), dict(min_p=0.5)]
     t = tensors(*(SamplingParams(temperature=temperature, **kw) for kw in rows), vocab=64)
     np.testing.assert_array_equal(draws(jnp.asarray(logits), t, n=50), np.tile(top, (50, 1)))
+
+
+def test_argmax_equals_numpy():
+    from tp_jax.serving.sampling import argmax
+    nan, inf = np.nan, np.inf
+    edge = np.array([[1, 3, 3, 2], [nan, 1, nan, 5], [2, nan, 9, 9], [-inf] * 4, [0.0, -0.0, 0.0, -1],
+                     [-0.0, 0.0, 0.0, 0.0], [F32_MIN, F32_MIN, -inf, F32_MIN], [-inf, -inf, inf, inf]], np.float32)
+    vocab = np.random.default_rng(7).standard_normal((5, 49152)).astype(np.float32)
+    vocab[1, [17, 40000]] = 9.0                                # a tie between two far-apart ids
+    for x in (edge, vocab):
+        got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, x.argmax(-1))
 
 
 def test_greedy_fast_path_equals_sample():

@@ -249,6 +249,15 @@ class TokenLogprobs(NamedTuple):
     top_logprobs: jax.Array   # f32[B, N]
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """i32 `jnp.argmax(x, axis=-1)` (the first index of each row's maximum, or of its first NaN) as a max
+    and a min: XLA:CPU's argmax reduction (value-index pairs) takes ~6x as long on vocab-sized rows
+    (8 x 49152 floats: 1.9 vs 0.33 ms)."""
+    m = x.max(-1, keepdims=True)
+    hit = (x == m) | (jnp.isnan(x) & jnp.isnan(m))
+    return jnp.min(jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
+
+
 def mask_padding(logits: jax.Array) -> jax.Array:
     """f32 logits with entries at the dtype's minimum (padded vocab) set to -inf."""
     pad = logits <= jnp.finfo(logits.dtype).min
@@ -274,8 +283,10 @@ def sample(logits: jax.Array, tensors: SamplingTensors, step: int | jax.Array = 
     greedy = tensors.temperature < SAMPLING_EPS
     steps = jnp.broadcast_to(step, greedy.shape)
     keys = jax.vmap(jax.random.fold_in)(tensors.keys, steps)
-    drawn = jax.vmap(jax.random.categorical)(keys, process_logits(logits, tensors))
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    x = process_logits(logits, tensors)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, x.shape[-1:], x.dtype))(keys)
+    drawn = argmax(x + gumbel)                  # jax.random.categorical's Gumbel-max draw: the same ids
+    tokens = jnp.where(greedy, argmax(logits), drawn).astype(jnp.int32)
     return tokens, _logprobs(raw, tokens, num_logprobs)
 
 
@@ -283,7 +294,7 @@ def sample(logits: jax.Array, tensors: SamplingTensors, step: int | jax.Array = 
 def greedy(logits: jax.Array, num_logprobs: int = 0) -> tuple[jax.Array, TokenLogprobs]:
     """`sample` for a batch whose rows are all greedy and unpenalized: argmax, no PRNG, no sort."""
     logits = mask_padding(logits)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = argmax(logits)
     return tokens, _logprobs(jax.nn.log_softmax(logits, axis=-1), tokens, num_logprobs)
 
 

@@ -71,7 +71,9 @@ def test_perplexity_greedy_agreement_and_bytes(runs, text_ids):
     assert abs(figures["default"][0] - 1) <= 0.02 and figures["default"][1] <= 0.3     # the default path's bound
     assert agreement(runs["default"][2], fp_tokens) >= 0.5        # reported; int8 weights flip near-ties
     assert abs(figures["int8"][0] - 1) <= 0.02 and figures["int8"][1] <= 0.3
-    assert abs(figures["w8a8"][0] - 1) <= 0.08                    # measured +4.7%: why it is not a default
+    # single-digit W8A8: +4.7% on a Xeon, +10.45% on an AMD EPYC (the same int8 products, exact on both; its
+    # coarse per-token digit turns float roundoff upstream into different roundings): why it is not a default
+    assert figures["w8a8"][0] > figures["default"][0] and abs(figures["w8a8"][0] - 1) <= 0.15
 
 
 def test_int8_same_logits_at_tp3(smollm2_converted, runs, text_ids):

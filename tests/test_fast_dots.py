@@ -6,9 +6,10 @@ on the same weights, within a stated bound, at tp in {1, 2, 8} and pp = 2.
   against numpy on the weights the method holds (the float weight; int8's Q * s by numpy; the
   blocks dequantized by the `gguf` package), one row (padded to two inside) and six;
 * models: a bf16 tiny Llama with quantization="bf16" against transformers in bfloat16 and in
-  float32 on the same weights, and what the default "auto" picks for it (bf16 dots under the switched /
-  unrolled loop, float32 under the scan, with a named dtype, "none", and for a float32 checkpoint); the tiny GGUF with each fast dot (and "auto": W8A8 with two digits
-  on CPU) against transformers on the dequantized weights (int8-rounded where the method holds
+  float32 on the same weights, and what the default "auto" picks for it (bf16 dots on one device under
+  the switched / unrolled loop; float32 under the scan, on several devices, with a named dtype, with
+  "none", and for a float32 checkpoint); the tiny GGUF with each fast dot (and "auto": W8A8 with two
+  digits on CPU) against transformers on the dequantized weights (int8-rounded where the method holds
   int8), and W8A8 against transformers on the int8 weights.
 
 Bounds are relative to the reference's largest magnitude: bf16 rounds x to 8 mantissa bits
@@ -173,7 +174,8 @@ def test_auto_gives_a_bf16_checkpoint_bf16_dots_where_they_are_fast(root, ids):
     cases = [((1, 1, 1), {}, "switch", "bf16"), ((1, 1, 1), dict(layer_loop="unrolled"), "unrolled", "bf16"),
              ((1, 1, 1), dict(layer_loop="scan"), "scan", "none"), ((2, 1, 1), {}, "scan", "none"),
              ((2, 1, 1), dict(layer_loop="switch"), "switch", "none"),
-             ((1, 1, 1), dict(dtype="float32"), "switch", "none"), ((1, 1, 1), dict(quantization="none"), "switch", "none")]
+             ((1, 1, 1), dict(dtype="float32"), "switch", "none"),
+             ((1, 1, 1), dict(quantization="none"), "switch", "none")]
     for layout, kw, loop, want in cases:
         llm = load_llm(path, layout, **kw)
         err = float(np.abs(llm.get_logits(ids) - ref32).max())

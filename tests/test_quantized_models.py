@@ -306,14 +306,47 @@ def test_unknown_quantization_argument_fails_before_the_load(value, error, messa
 @pytest.mark.parametrize("quantization", ["int8", "w8a8x2", "gguf"])
 def test_unrolled_layers_hold_the_same_quantized_weights(int8_refs, tiny_gguf, ids, quantization, loop):
     """LLM(layer_loop="unrolled" / "switch") splits every param of the stack per layer slot, the methods'
-    params too; unrolled or looped with switched GEMMs (w8a8x2: the activation digits made once, outside the
-    switch, `LinearMethod.prepare`), the scanned stack's numbers."""
+    params too; unrolled or looped with switched GEMMs (w8a8x2: the activation digits made once before the
+    switch, `LinearMethod.prepare`, the scales applied once after it, `finish`), the scanned stack's numbers:
+    bit for bit in the switched loop, whose layer body computes what the scan's does."""
     path = tiny_gguf[0] if quantization == "gguf" else int8_refs["h9kv3"][0]
     scanned = load(path, (2, 1, 2), quantization=quantization, layer_loop="scan")
     unrolled = load(path, (2, 1, 2), quantization=quantization, layer_loop=loop)
     assert unrolled.quantization == scanned.quantization != "none"
-    np.testing.assert_allclose(unrolled.get_logits(ids), scanned.get_logits(ids), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(unrolled.get_logits(ids), scanned.get_logits(ids), rtol=0,
+                               atol=0 if loop == "switch" else 2e-6)
     assert greedy(unrolled) == greedy(scanned)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a8x2", "bf16", "none"])
+def test_switched_branches_hold_only_the_weights_dot(int8_refs, quantization):
+    """In the switched loop (one device) every branch of a GEMM's lax.switch is the dot of one slot's weight
+    and nothing else: the method's work on x alone (`prepare`: the digits, the bf16 rounding) is traced before
+    the switch and its scales (`finish`) after it, once per GEMM instead of once per slot (XLA:CPU compiles
+    each branch apart). Weight-only int8 converts its weight to the model's dtype for the dot, in the branch."""
+    from tp_jax.serving.batch import StepBatch
+    llm = load(int8_refs["h9kv3"][0], (1, 1, 1), quantization=quantization, layer_loop="switch")
+    runner = llm.engine.core.runner
+    batch = StepBatch.empty(llm.engine.core.warmup_shapes()[0])
+    traced = runner._forward.trace(runner.weights, runner.put(batch.packed()), runner.k, runner.v,
+                                   shape=batch.shape)
+    branches = [b.jaxpr for e in equations(traced.jaxpr.jaxpr) if e.primitive.name == "cond"
+                for b in e.params["branches"]]
+    assert len(branches) == 4 * 2                        # 4 GEMMs per layer, 2 layer slots
+    for branch in branches:
+        ops = [e.primitive.name for e in equations(branch) if e.primitive.name not in ("pjit", "jit")]
+        assert ops == ["convert_element_type", "dot_general"] if quantization == "int8" else ops == ["dot_general"], ops
+
+
+def equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside its equations (loop bodies, branches, jit calls)."""
+    for e in jaxpr.eqns:
+        yield e
+        for value in e.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from equations(sub)
 
 
 def test_int8_gpt2_conv1d_weights_stored_in_out(tmp_path):

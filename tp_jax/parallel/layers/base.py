@@ -132,10 +132,13 @@ class MethodLayer(ParallelModule):
 
     def gemm(self, x: jax.Array) -> jax.Array:
         """`self.method.apply(self, x)`; inside `switching(index, peers)` (a switched Stack's loop body), a
-        `lax.switch` on index over the peers (the same layer of every slot) whose branches each apply one
-        slot's own weight, so the GEMM reads a whole buffer in place; the method's `prepare(x)` (int8
-        activations' digits) runs once, outside the branches, when every slot holds the same method. A single
-        row is padded to two there (XLA:CPU generates a kernel for every 1-row dot)."""
+        `lax.switch` on index over the peers (the same layer of every slot) whose branches each read one slot's
+        own weight, a whole buffer read in place. When every slot holds the same method, a branch is only the
+        method's `multiply` on that slot's `multiply_suffixes` params: its `prepare(x)` (int8 activations'
+        digits) runs once before the switch and its `finish` (the scales) once after it, on this layer's own
+        other params (the switched Stack indexes them per slot); XLA:CPU compiles each branch apart, so what
+        stays out of the branches is compiled once instead of once per slot. A single row is padded to two
+        there (XLA:CPU generates a kernel for every 1-row dot)."""
         switch = self.__dict__.get("_switch")
         if switch is None:
             return self.method.apply(self, x)
@@ -144,12 +147,20 @@ class MethodLayer(ParallelModule):
         if rows == 1:
             a = jnp.concatenate([a, a], axis=0)
         method = self.method
-        if all(p.method == method for p in switch.peers):        # one activation preparation, outside the branches
-            y = jax.lax.switch(switch.index, [lambda a, p=p: method.apply_prepared(p, a) for p in switch.peers],
-                               method.prepare(a))
+        if same_method(switch.peers):
+            prepared = method.prepare(a)
+            branches = [lambda p, peer=peer: method.multiply(peer, p) for peer in switch.peers]
+            raw = jax.lax.switch(switch.index, branches, prepared)
+            y = method.finish(self, raw, prepared)
         else:                                                     # layers held by different methods (GGUF types)
             y = jax.lax.switch(switch.index, [lambda a, p=p: p.method.apply(p, a) for p in switch.peers], a)
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+
+    def switch_owned(self, peers: Sequence[MethodLayer]) -> tuple[str, ...]:
+        """The names of this layer's params a switched GEMM over `peers` (this layer of every slot) reads in its
+        branches: the method's `multiply_suffixes` when the peers share it, else every weight param."""
+        suffixes = self.method.multiply_suffixes if same_method(peers) else self.method.suffixes
+        return tuple(self.weight_name + s for s in suffixes)
 
     @contextlib.contextmanager
     def switching(self, index: jax.Array, peers: Sequence[MethodLayer]) -> Iterator[None]:
@@ -199,6 +210,11 @@ class MethodLayer(ParallelModule):
     def weight(self, suffix: str = "") -> jax.Array:
         """This rank's block of the weight's param `weight_name + suffix` (inside shard_map)."""
         return getattr(self, self.weight_name + suffix)[...]
+
+
+def same_method(layers: Sequence[MethodLayer]) -> bool:
+    """Whether every layer holds the first's method (a switched GEMM then splits it: `MethodLayer.gemm`)."""
+    return all(layer.method == layers[0].method for layer in layers)
 
 
 def declared_param(rngs: nnx.Rngs, decl: ShardedParam, shape: tuple[int, ...], dtype, init=None) -> nnx.Param:

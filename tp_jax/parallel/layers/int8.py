@@ -93,23 +93,34 @@ class Int8(LinearMethod):
         return {"": WeightParam(values, tuple(shape), np.dtype(np.int8)),
                 "_scale": WeightParam(scale, (shape[0], shape[-1]), np.dtype(np.float32))}
 
+    @property
+    def multiply_suffixes(self) -> tuple[str, ...]:
+        return ("",)                             # the scales are applied in `finish`
+
     def apply(self, layer, x):
-        if self.activations != "float":
-            y = self.apply_prepared(layer, self.prepare(x.reshape(-1, x.shape[-1])))
-            return y.reshape(*x.shape[:-1], y.shape[-1])
-        dt = layer.param_dtype
-        return tiled_matmul(x, [layer.weight()], lambda q: q, dt) * layer.weight("_scale").astype(dt)
+        flat = x.reshape(-1, x.shape[-1])
+        prepared = self.prepare(flat)
+        y = self.finish(layer, self.multiply(layer, prepared), prepared)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def prepare(self, x):
         """int8 activations, x [M, in]: its digit rows and scales (`int8_digits`), made once per GEMM however
         many layers' weights a switched GEMM has branches for; weight-only: x."""
         return x if self.activations == "float" else int8_digits(x, self.activations == "int8x2")
 
-    def apply_prepared(self, layer, prepared):
+    def multiply(self, layer, prepared):
+        """Weight-only: x Q^T in the layer's dtype (`tiled_matmul`); int8 activations: the int32 product of the
+        digit rows (`weight_first_dot`)."""
         if self.activations == "float":
-            return self.apply(layer, prepared)
+            return tiled_matmul(prepared, [layer.weight()], lambda q: q, layer.param_dtype)
+        return weight_first_dot(layer.weight(), prepared[0])
+
+    def finish(self, layer, raw, prepared):
+        """The scales: the weight's per channel (and the tokens', `digits_finish`)."""
+        if self.activations == "float":
+            return raw * layer.weight("_scale").astype(layer.param_dtype)
         rows, s = prepared
-        return digits_dot(layer.weight(), rows, s, self.activations == "int8x2") * layer.weight("_scale")
+        return digits_finish(raw, rows.shape[0], s, self.activations == "int8x2") * layer.weight("_scale")
 
     def embed(self, layer, ids):
         dt = layer.param_dtype
@@ -139,19 +150,24 @@ def int8_digits(x: jax.Array, two_digits: bool) -> tuple[jax.Array, jax.Array]:
 
 def digits_dot(w: jax.Array, rows: jax.Array, s: jax.Array, two_digits: bool) -> jax.Array:
     """`int8_digits`' (rows, s) times int8 w [out, in] -> float32 [M, out] (before the weight's scale)."""
-    y = weight_first_dot(w, rows)                                          # [out, M or 2M] float32
-    if two_digits:
-        m = y.shape[1] // 2
-        y = y[:, :m] + y[:, m:] * (1.0 / SECOND_DIGIT)
-    return y.T * s
+    return digits_finish(weight_first_dot(w, rows), rows.shape[0], s, two_digits)
 
 
 def weight_first_dot(w: jax.Array, rows: jax.Array) -> jax.Array:
-    """int8 w [out, in] (.) int8 rows [M, in] -> float32 [out, M], accumulated in int32, the weight as the dot's
-    left operand ("fd,md->fm"): XLA:CPU's int8 kernel (YNNPACK) reads the weight that way up to ~1.3x faster
-    than as the right operand ("md,fd->mf") at decode sizes (docs/performance.md). One row is padded to two."""
-    xs, m = pad_rows(rows)
-    return jnp.einsum("fd,md->fm", w, xs, preferred_element_type=jnp.int32)[:, :m].astype(jnp.float32)
+    """int8 w [out, in] (.) int8 rows [R, in] -> int32 [out, R'] (R' >= R: one row is padded to two), the weight as
+    the dot's left operand ("fd,md->fm"): XLA:CPU's int8 kernel (YNNPACK) reads the weight that way up to ~1.3x
+    faster than as the right operand ("md,fd->mf") at decode sizes (docs/performance.md)."""
+    return jnp.einsum("fd,md->fm", w, pad_rows(rows)[0], preferred_element_type=jnp.int32)
+
+
+def digits_finish(product: jax.Array, num_rows: int, s: jax.Array, two_digits: bool) -> jax.Array:
+    """`weight_first_dot` of `num_rows` digit rows (one digit or two per token) and their tokens' scales
+    s [M, 1] -> float32 [M, out] (before the weight's scale)."""
+    y = product[:, :num_rows].astype(jnp.float32)                          # [out, M or 2M]
+    if two_digits:
+        m = num_rows // 2
+        y = y[:, :m] + y[:, m:] * (1.0 / SECOND_DIGIT)
+    return y.T * s
 
 
 def per_channel_block(weight: ShardedParam, rank: int, tensors: Mapping[str, LazyTensor], names: Mapping[str, str],

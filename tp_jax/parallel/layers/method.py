@@ -19,11 +19,11 @@ float or per-token int8 activations) and `GGUFBlocks` (layers/ggml.py: a GGUF fi
 Named configurations that pick a method per layer live in layers/quantization.py.
 
 Every dot of a method that is not `Unquantized` goes through `fast_dot` (int8 activations: int8.py's
-`weight_first_dot`, the weight as the left operand): its operands are bf16 or int8 with a float32 / int32
-accumulator, the shapes XLA:CPU has fast kernels for (AVX-512 BF16 / VNNI, AMX), and a single
-row is padded to two, since XLA:CPU's kernels for those types fall to a path ~10x slower at M = 1
-(docs/performance.md). The result is float32 whatever
-the operands, so a row layer's all-reduce runs in float32; layers cast to their dtype after it.
+`weight_first_dot`, the weight as the left operand, its int32 sums converted by `Int8.finish`): its operands
+are bf16 or int8 with a float32 / int32 accumulator, the shapes XLA:CPU has fast kernels for (AVX-512 BF16 /
+VNNI, AMX), and a single row is padded to two, since XLA:CPU's kernels for those types fall to a path ~10x
+slower at M = 1 (docs/performance.md). The result is float32 whatever the operands, so a row layer's
+all-reduce runs in float32; layers cast to their dtype after it.
 """
 
 from __future__ import annotations
@@ -105,8 +105,15 @@ class LinearMethod:
       layer's one statement `weight` (HF layout `[out, in]`, parts, split) for a float
       param of global `shape` and `dtype` (the layer's unquantized kernel or table);
     * `apply(layer, x)`: x[..., in_local] -> [..., out_local], this rank's GEMM (no bias, no
-      collective: those are the layer's); `prepare(x)` / `apply_prepared(layer, p)` split it where a part
-      depends on x alone (int8 activations), so a switched GEMM computes that part once;
+      collective: those are the layer's);
+    * `prepare(x)`, `multiply(layer, prepared)`, `finish(layer, raw, prepared)`: `apply` in three parts, so
+      a switched GEMM (layers/base.py `MethodLayer.gemm`) keeps only the part that reads the weight in its
+      per-layer branches: `prepare` reads x [M, in] alone (int8 activations' digits) and runs once before
+      them, `multiply` reads the params `multiply_suffixes` names (the big ones) and is each branch,
+      `finish` turns its raw output into [M, out_local] with the other params (per-channel scales: small,
+      stacked over the slots) and runs once after them. `finish(layer, multiply(layer, p), p)` with
+      `p = prepare(x)` is `apply(layer, x)` bit for bit; the defaults (x itself, `apply`, the raw output)
+      fit any method;
     * `embed(layer, ids)`: rows W[ids] -> [..., in] (EMBEDDING kind only).
     """
     name: ClassVar[str] = "?"
@@ -128,15 +135,25 @@ class LinearMethod:
     def apply(self, layer, x: jax.Array) -> jax.Array:
         raise NotImplementedError
 
+    @property
+    def multiply_suffixes(self) -> tuple[str, ...]:
+        """The params (`suffixes`) `multiply` reads; `finish` may read the others. Default: all of them."""
+        return self.suffixes
+
     def prepare(self, x: jax.Array):
-        """The part of `apply` that reads x [M, in] alone (an activation quantization), as a pytree of arrays: a
-        switched GEMM (layers/base.py `MethodLayer.gemm`) runs it once, outside its per-layer branches, and each
-        branch `apply_prepared(layer, prepare(x))` == `apply(layer, x)`. Default: x itself."""
+        """The part of `apply` that reads x [M, in] alone (an activation quantization), as a pytree of arrays.
+        Default: x itself."""
         return x
 
-    def apply_prepared(self, layer, prepared) -> jax.Array:
-        """`apply(layer, x)` given `prepare(x)` (x [M, in] -> [M, out_local])."""
+    def multiply(self, layer, prepared):
+        """The part of `apply` that reads the weight's `multiply_suffixes` params, given `prepare(x)`: its raw
+        output (a pytree of arrays). Default: `apply` itself."""
         return self.apply(layer, prepared)
+
+    def finish(self, layer, raw, prepared) -> jax.Array:
+        """[M, out_local] from `multiply`'s raw output, reading x only through `prepared` and no param of
+        `multiply_suffixes`. Default: the raw output."""
+        return raw
 
     def embed(self, layer, ids: jax.Array) -> jax.Array:
         raise NotImplementedError
@@ -195,6 +212,10 @@ class Bfloat16(LinearMethod):
     def apply(self, layer, x):
         w = layer.weight()                                      # bf16: kernel [in, out] or table [out, in]
         return fast_dot(x, w, "md,df->mf" if layer.weight_transposed else "md,fd->mf")
+
+    def prepare(self, x):
+        """x rounded to bf16 (`fast_dot` would round it in `apply`): once per switched GEMM."""
+        return x.astype(jnp.bfloat16)
 
     def embed(self, layer, ids):
         return jnp.take(layer.weight(), ids, axis=0).astype(layer.param_dtype)

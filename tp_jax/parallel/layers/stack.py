@@ -9,10 +9,13 @@ per layer, as many bytes again as the matmuls read), so a serving engine stores 
 local layer slot instead ([pp, ...] each, still sharded on pp) and runs the layers unrolled.
 Same numbers, one read per weight; compile time then grows with depth.
 
-`unstack(mesh, switch=True)` keeps the loop over those slots (`fori_loop`, one layer body, so
-compile time stays that of the scan): each linear layer's GEMM in the body is a `lax.switch`
-over the slots whose branch j applies slot j's own weight (`MethodLayer.gemm`), a whole buffer
-XLA reads in place; the other params (norms, biases: small) are stacked and indexed per layer.
+`unstack(mesh, switch=True)` keeps the loop over those slots (`fori_loop`, one layer body): each
+linear layer's GEMM in the body is a `lax.switch` over the slots whose branch j is the dot of slot
+j's own weight (`MethodLayer.gemm`), a whole buffer XLA reads in place; the other params (norms,
+biases, the per-channel scales a method applies after its dot: small) are stacked and indexed per
+layer. XLA:CPU compiles each branch apart, so a branch holds only the dot: the method's work on
+the activations alone (`LinearMethod.prepare`) runs before the switch and its scales
+(`LinearMethod.finish`) after it, once, and the compile time stays near the scan's.
 
 `LLM(layer_loop=...)` picks one of the three (`LAYER_LOOPS`, `layer_loop_for`): "scan" (the stack as
 built), "unrolled" (`unstack`), "switch" (`unstack(switch=True)`); "auto" is "switch" on one CPU device,
@@ -90,7 +93,7 @@ class Stack(nnx.Module):
         graphdef, _ = nnx.split(self.slots[0])
         states = [jax.tree.map(lambda x: x[0], nnx.split(slot)[1]) for slot in self.slots]   # bitcasts
         peers = [nnx.merge(graphdef, state) for state in states]
-        owned = _gemm_weights(peers[0])
+        owned = _gemm_weights(peers)
         flat = [jax.tree.flatten(state) for state in states]
         treedef = flat[0][1]
         kept = [id(x) in owned for x in flat[0][0]]
@@ -143,10 +146,11 @@ def _gemm_layers(module: nnx.Module) -> list[MethodLayer]:
     return [node for _, node in nnx.iter_graph(module) if isinstance(node, MethodLayer) and node.switched]
 
 
-def _gemm_weights(module: nnx.Module) -> set[int]:
-    """ids of the arrays only `MethodLayer.gemm` reads: those layers' weight params (not their biases)."""
-    return {id(v.get_value()) for node in _gemm_layers(module)
-            for name, v in vars(node).items() if isinstance(v, nnx.Variable) and name.startswith(node.weight_name)}
+def _gemm_weights(peers: list[nnx.Module]) -> set[int]:
+    """ids of the first slot's arrays only the switched GEMMs' branches read (`MethodLayer.switch_owned`: the
+    weights, not their biases, nor the scales a method applies after its dot), the same layers of `peers`."""
+    layers = list(zip(*(_gemm_layers(peer) for peer in peers)))
+    return {id(getattr(same[0], name).get_value()) for same in layers for name in same[0].switch_owned(same)}
 
 
 LAYER_LOOPS = ("auto", "scan", "switch", "unrolled")

@@ -3,7 +3,7 @@
 The serving engine (tp_jax/serving) owns the pool and the block tables; a model receives
 them as a `KVCache` and needs to know nothing else:
 
-    KVCache   k, v: [L_local, num_blocks, block_size, kv_local, hd] (this rank's pool) + a PagedBatch
+    KVCache   k, v: [L_local, kv_local, num_blocks, block_size, hd] (this rank's pool) + a PagedBatch
     PagedBatch, per micro-batch row b (leading axis B):
               slots[B, N]              flat slot (block * block_size + offset) of each token's k/v; -1: none
               decode_tables[B, D, Wd]  block table of each decode row (tokens 0 .. D-1, one each)
@@ -31,7 +31,7 @@ from tp_jax.parallel.pipeline import run_pipeline
 
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
-    """The pool a model needs: [num_layers, blocks, block_size, kv_heads, head_dim] for k and for v.
+    """The pool a model needs: [num_layers, kv_heads, blocks, block_size, head_dim] for k and for v.
 
     num_layers counts the stacked slots (padded for pp); kv_heads is global (tp * kv_local,
     from the head plan), so the pool shards on tp exactly like the model's KV heads.

@@ -37,8 +37,8 @@ def np_attention(q, k, v, q_pos, scale, window=None):
 def make_case(rng, rows, width, window):
     """rows: [(context_before, new_tokens)], decode rows (new = 1) first. A pool with random old
     keys, each row's own blocks, and the flat step."""
-    k_pool = rng.standard_normal((1, NB, BS, HKV, HD)).astype(np.float32)
-    v_pool = rng.standard_normal((1, NB, BS, HKV, HD)).astype(np.float32)
+    k_pool = rng.standard_normal((1, HKV, NB, BS, HD)).astype(np.float32)       # head-major, like the engine's
+    v_pool = rng.standard_normal((1, HKV, NB, BS, HD)).astype(np.float32)
     free = list(rng.permutation(NB))
     d = sum(1 for c, n in rows if n == 1)
     p = len(rows) - d
@@ -84,31 +84,35 @@ def test_paged_equals_per_sequence_attention(rows, width, window, backend):
     written = np.zeros((NB, BS), bool)
     for off, new, blocks, ctx in spans:
         # the row's whole context: old keys from its blocks, then its new keys
-        keys = np.concatenate([k_pool[0, b] for b in blocks])[:ctx]
-        vals = np.concatenate([v_pool[0, b] for b in blocks])[:ctx]
+        keys = np.concatenate([k_pool[0, :, b].swapaxes(0, 1) for b in blocks])[:ctx]     # [ctx, Hkv, hd]
+        vals = np.concatenate([v_pool[0, :, b].swapaxes(0, 1) for b in blocks])[:ctx]
         keys = np.concatenate([keys, k_new[off:off + new]])
         vals = np.concatenate([vals, v_new[off:off + new]])
         ref = np_attention(q[off:off + new], keys, vals, pos[off:off + new], scale, window)
         np.testing.assert_allclose(out[off:off + new], ref, atol=2e-5, rtol=1e-5)
         for j in range(new):                       # written at its slots
             b, o = blocks[(ctx + j) // BS], (ctx + j) % BS
-            np.testing.assert_array_equal(kp[0, b, o], k_new[off + j])
+            np.testing.assert_array_equal(kp[0, :, b, o], k_new[off + j])
+            np.testing.assert_array_equal(vp[0, :, b, o], v_new[off + j])
             written[b, o] = True
-    np.testing.assert_array_equal(kp[0][~written], k_pool[0][~written])     # padding wrote nothing
-    np.testing.assert_array_equal(vp[0][~written], v_pool[0][~written])
+    np.testing.assert_array_equal(kp[0][:, ~written], k_pool[0][:, ~written])     # padding wrote nothing
+    np.testing.assert_array_equal(vp[0][:, ~written], v_pool[0][:, ~written])
 
 
 def test_write_pool_drops_negative_slots():
-    pool = jnp.zeros((2, 3, BS, 1, 2))
-    new = jnp.ones((3, 1, 2))
-    out = write_pool(pool, jnp.int32(1), jnp.asarray([5, -1, 0]), new)
-    assert float(out.sum()) == 4.0 and float(out[1, 1, 1].sum()) == 2.0 and float(out[1, 0, 0].sum()) == 2.0
+    pool = jnp.zeros((2, 2, 3, BS, 2))                                       # [L, H, NB, bs, hd]
+    new = jnp.arange(1, 13, dtype=jnp.float32).reshape(3, 2, 2)              # [N, H, hd]
+    out = np.asarray(write_pool(pool, jnp.int32(1), jnp.asarray([5, -1, 0]), new))
+    want = np.zeros(pool.shape, np.float32)
+    want[1, :, 1, 1] = new[0]                                                # slot 5: block 1, offset 1
+    want[1, :, 0, 0] = new[2]                                                # slot 0; slot -1 dropped
+    np.testing.assert_array_equal(out, want)
 
 
 def test_a_prefill_chunk_never_builds_a_whole_prompt_score_matrix():
     """Scores are [rows, heads, chunk, context]: a 64-token chunk over a 1024-token context."""
     nb, chunk, ctx = 72, 64, 1024
-    k_pool = jnp.zeros((1, nb, BS, HKV, HD))
+    k_pool = jnp.zeros((1, HKV, nb, BS, HD))
     batch = PagedBatch(jnp.zeros((1, chunk), jnp.int32), jnp.zeros((1, 0, ctx // BS), jnp.int32),
                        jnp.zeros((1, 1, ctx // BS), jnp.int32), jnp.arange(chunk, dtype=jnp.int32)[None, None])
     q = jnp.zeros((1, chunk, HKV * G, HD))

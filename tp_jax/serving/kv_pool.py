@@ -1,10 +1,12 @@
 """The paged KV pool on the mesh, and its size from a stated memory budget.
 
-    k, v: [L_pad, dp * num_blocks, block_size, Hkv_pad, hd]   spec P("pp", "dp", None, "tp", None)
+    k, v: [L_pad, Hkv_pad, dp * num_blocks, block_size, hd]   spec P("pp", "tp", "dp", None, None)
 
-Layers on pp (padded like the model's stacked params), the block axis on dp (each replica
-owns `num_blocks` blocks; block ids are local to a replica), kv heads on tp exactly as the
-head plan places them (`KVLayout` from the model). Memory is budgeted, never discovered:
+Layers on pp (padded like the model's stacked params), kv heads on tp exactly as the head
+plan places them (`KVLayout` from the model), the block axis on dp (each replica owns
+`num_blocks` blocks; block ids are local to a replica). Head-major, so a block of one head
+is one contiguous [block_size, hd] tile and attention gathers a row's context straight into
+the [kv head, position, hd] layout its dots want (models/attention.py). Memory is budgeted, never discovered:
 
 * `num_gpu_blocks`: this many blocks per replica, or else
 * `kv_cache_memory_bytes`: K + V bytes per device, or else
@@ -32,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tp_jax.models.cache import KVLayout
 from tp_jax.parallel.mesh import DP, PP, TP
 
-POOL_SPEC = P(PP, DP, None, TP, None)
+POOL_SPEC = P(PP, TP, DP, None, None)
 CPU_DEFAULT_BYTES = 2 * 2**30
 CPU_ENV = "TP_JAX_CPU_KV_CACHE_BYTES"
 CPU_FLOOR_SEQS = 4
@@ -48,7 +50,7 @@ class PoolShape:
     @property
     def shape(self) -> tuple[int, ...]:
         dp = self.mesh_shape[0]
-        return (self.layout.num_layers, dp * self.num_blocks, self.block_size, self.layout.kv_heads,
+        return (self.layout.num_layers, self.layout.kv_heads, dp * self.num_blocks, self.block_size,
                 self.layout.head_dim)
 
     @property

@@ -47,15 +47,15 @@ def jax_chain(kind: str, layer_shapes, head_shape, layers: int, q: int, ff: int,
     """(run(x) -> logits, weight bytes) for one of the XLA kinds: weights [out, in] as the methods hold them."""
     import jax
     import jax.numpy as jnp
-    from tp_jax.parallel.layers.int8 import int8_dot
+    from tp_jax.parallel.layers.int8 import int8_dot, int8_rows
     from tp_jax.parallel.layers.method import fast_dot
 
     def weight(o, i):
         w = rng.standard_normal((o, i), dtype=np.float32) * 0.02
         if kind in ("float32", "bf16"):
             return (jnp.asarray(w, jnp.float32 if kind == "float32" else jnp.bfloat16),)
-        s = np.abs(w).max(axis=1) / 127
-        return jnp.asarray(np.rint(w / s[:, None]), jnp.int8), jnp.asarray(s, jnp.float32)
+        q, s = int8_rows(w)                                    # as the int8 methods quantize at load
+        return jnp.asarray(q), jnp.asarray(s)
 
     def dot(x, w):
         if kind == "float32":
@@ -137,11 +137,12 @@ def main() -> None:
     ap.add_argument("--transformers", action="store_true", help="time transformers' decode step beside it")
     args = ap.parse_args()
     import jax
-    import torch
     from tp_jax.loaders.default import default_model_path
     from tp_jax.loaders.sources import open_checkpoint
 
-    torch.set_num_threads(os.cpu_count())
+    if args.transformers or any(k.startswith("torch") for k in args.dots):   # torch: only for its rows
+        import torch
+        torch.set_num_threads(os.cpu_count())
     path = args.model or default_model_path()
     cfg, source = open_checkpoint(path).config, open_checkpoint(path, config=False).source
     layer_shapes, head_shape, q, ff = shapes(cfg, source)

@@ -7,10 +7,15 @@
 ("bf16", "int8", "w8a8", "w8a8x2", "gguf", "gguf_bf16", "gguf_int8"; `tp_jax.parallel.layers.quantization`),
 or "auto", which picks by checkpoint and platform (`auto_choice`, measured in docs/performance.md):
 
-* a GGUF file whose linear or vocab weights are quantized: on CPU "w8a8x2" (the weights
-  int8 per output row, activations as two int8 digits: int8 x int8 -> int32 dots, XLA:CPU's
-  fastest; SmolLM2 +1.5% perplexity against the file's float32 weights), elsewhere its blocks
-  kept with dots in the model's dtype ("gguf");
+* a GGUF file whose linear or vocab weights are quantized: on a one-device CPU mesh under the
+  switched or unrolled layer loop (where bf16 dots are fast, as below) "w8a8x2_bf16", each weight
+  held twice, int8 per output row and bf16 (layers/by_rows.py): a GEMM of at most 4 rows (decode of
+  up to 4 requests) runs "w8a8x2"'s int8 x int8 -> int32 dot of two activation digits, XLA:CPU's
+  fastest there (SmolLM2 +1.5% perplexity against the file's float32 weights), a larger one (8
+  requests, a prefill) the bf16 x bf16 -> float32 dot, fastest there. Both forms take 3 bytes a
+  weight; where that is over half the host's memory (`LEAN`), "w8a8x2" alone (1 byte) with a
+  warning. On several CPU devices or under the scan "w8a8x2"; on accelerators the blocks kept
+  with dots in the model's dtype ("gguf");
 * a float checkpoint whose weights are all stored in bfloat16 (safetensors / Orbax headers, GGUF BF16
   tensors), on a one-device CPU mesh under the switched or unrolled layer loop (`AUTO_BF16`; "switch" is
   the default there), with the run's dtype "auto": "bf16", the weights as stored and bf16 x bf16 -> float32 dots
@@ -32,11 +37,13 @@ cannot hold a layer (e.g. a row split that cuts through 32-element blocks).
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tp_jax.loaders.bind import Binding, as_table, bind
@@ -105,7 +112,10 @@ def _strict(name: str, weights: list[Binding], source, num_layers: int) -> dict[
     return plan
 
 
-AUTO_GGUF = {"cpu": "w8a8x2"}                # platform -> what "auto" picks for a quantized GGUF (others: "gguf")
+AUTO_GGUF = {"cpu": ("w8a8x2_bf16", "w8a8x2")}   # platform -> what "auto" picks for a quantized GGUF: (where
+                                                 # bf16 dots are fast, as for AUTO_BF16; elsewhere); others: "gguf"
+LEAN = {"w8a8x2_bf16": ("w8a8x2", 3)}       # a choice -> (the one "auto" takes instead, the choice's bytes a weight)
+HOST_MEMORY_SHARE = 0.5                      # ... when those bytes are over this share of the host's memory
 AUTO_BF16 = {"cpu": ("switch", "unrolled")}  # platform -> the layer loops where "auto" gives a bf16 checkpoint "bf16"
                                              # on a one-device mesh
 
@@ -113,15 +123,15 @@ AUTO_BF16 = {"cpu": ("switch", "unrolled")}  # platform -> the layer loops where
 def auto_choice(quant_types: set[str | None], platform: str, stored_bf16: bool = False,
                 layer_loop: str | None = None, num_devices: int = 1) -> str | None:
     """The configuration "auto" picks for a checkpoint whose weights have GGUF types `quant_types` (None: not a
-    GGUF tensor) on `platform` (jax's backend name): `AUTO_GGUF`'s for quantized GGUF weights; "bf16" when
-    every weight is stored in bfloat16 (`stored_bf16`), `layer_loop` is one of `AUTO_BF16[platform]` and the
-    mesh is one device (measured faster than float32 there; slower under the scan and, at batch 1, on 8
-    simulated devices: docs/performance.md); else None."""
+    GGUF tensor) on `platform` (jax's backend name). Where bf16 dots are fast (`layer_loop` one of
+    `AUTO_BF16[platform]`, a one-device mesh; slower under the scan and, at batch 1, on 8 simulated devices:
+    docs/performance.md): for quantized GGUF weights `AUTO_GGUF`'s first choice, for weights all stored in
+    bfloat16 (`stored_bf16`) "bf16"; elsewhere `AUTO_GGUF`'s second, and None (float) for the rest."""
+    bf16_fast = num_devices == 1 and layer_loop in AUTO_BF16.get(platform, ())
     if any(q not in (None, *FLOAT_TYPES) for q in quant_types):
-        return AUTO_GGUF.get(platform, "gguf")
-    if stored_bf16 and num_devices == 1 and layer_loop in AUTO_BF16.get(platform, ()):
-        return "bf16"
-    return None
+        fast, other = AUTO_GGUF.get(platform, ("gguf", "gguf"))
+        return fast if bf16_fast else other
+    return "bf16" if stored_bf16 and bf16_fast else None
 
 
 def _auto(weights: list[Binding], source, num_layers: int, layer_loop: str | None,
@@ -134,11 +144,28 @@ def _auto(weights: list[Binding], source, num_layers: int, layer_loop: str | Non
     name = auto_choice(types, jax.default_backend(), stored_bf16, layer_loop, num_devices)
     if name is None:
         return {}
+    name = _lean(name, sum(int(np.prod(t.shape)) for t in views))
     plan, problems = _plan(name, weights, source, num_layers)
     if problems:
         warnings.warn(f"quantization='auto': {_count(problems)} loaded dequantized to float instead of kept "
                       f"quantized:{_listing(problems)}", stacklevel=3)
     return plan
+
+
+def _lean(name: str, num_weights: int, memory: int | None = None) -> str:
+    """`name`, or its `LEAN` alternative when `name`'s bytes for `num_weights` weights are over
+    `HOST_MEMORY_SHARE` of `memory` (default: this host's physical memory), with a warning saying so."""
+    if name not in LEAN:
+        return name
+    lean, per_weight = LEAN[name]
+    memory = memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = per_weight * num_weights
+    if need <= HOST_MEMORY_SHARE * memory:
+        return name
+    warnings.warn(f"quantization='auto': {name!r} would hold these weights in {need / 2**30:.1f} GiB, over "
+                  f"{HOST_MEMORY_SHARE:.0%} of this host's {memory / 2**30:.1f} GiB; holding them as {lean!r} instead "
+                  f"(larger batches and prefills run slower; name quantization={name!r} to insist)", stacklevel=4)
+    return lean
 
 
 def _count(problems: list[str]) -> str:

@@ -2,11 +2,12 @@
 
 Each layer declares how its params split over tp once (`loading()` -> `ShardedParam`);
 the row-map helpers build those declarations, `Stack` scans stacked layers. A linear or
-vocab layer's weight is held by a `LinearMethod` (float, `Bfloat16`, `Int8`, `GGUFBlocks`): the layer
+vocab layer's weight is held by a `LinearMethod` (float, `Bfloat16`, `Int8`, `GGUFBlocks`, `ByRows`): the layer
 keeps the split and the collectives, the method the representation and the local GEMM.
 """
 
 from tp_jax.parallel.layers.base import MethodLayer, ParallelModule
+from tp_jax.parallel.layers.by_rows import ByRows
 from tp_jax.parallel.layers.ggml import GGUFBlocks
 from tp_jax.parallel.layers.int8 import Int8
 from tp_jax.parallel.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
@@ -29,6 +30,6 @@ __all__ = ["ParallelModule", "ReplicatedLinear", "ColumnParallelLinear", "Merged
            "ReplicatedEmbedding", "RMSNorm", "LayerNorm", "Stack", "padded_vocab_size",
            "LazyTensor", "PartRows", "ShardedParam", "WeightShapeError",
            "contiguous_rows", "replicated_rows", "expand_heads", "Entry", "WeightTable",
-           "MethodLayer", "LinearMethod", "Unquantized", "Bfloat16", "Int8", "GGUFBlocks", "DerivedParam", "WeightParam",
+           "MethodLayer", "LinearMethod", "Unquantized", "Bfloat16", "Int8", "GGUFBlocks", "ByRows", "DerivedParam", "WeightParam",
            "QuantizationError", "UnsupportedLayerError", "QuantizationConfig", "quantization_config",
            "register_quantization", "apply_methods", "FusedMoE", "Experts", "expert_slots", "ExpertParam"]

@@ -15,7 +15,8 @@ A method is a small frozen dataclass, shared by every layer it serves; it holds 
 It also owns the dtypes the dot runs in (operands and accumulator). The methods:
 `Unquantized` (here: the float kernel in the model's dtype, bit for bit), `Bfloat16` (here: the
 weight in bf16, bf16 x bf16 dots accumulated in float32), `Int8` (layers/int8.py: int8 weights,
-float or per-token int8 activations) and `GGUFBlocks` (layers/ggml.py: a GGUF file's blocks).
+float or per-token int8 activations), `GGUFBlocks` (layers/ggml.py: a GGUF file's blocks) and `ByRows`
+(layers/by_rows.py: one weight held by two of them, each GEMM run by the one faster for its rows).
 Named configurations that pick a method per layer live in layers/quantization.py.
 
 Every dot of a method that is not `Unquantized` goes through `fast_dot` (int8 activations: int8.py's

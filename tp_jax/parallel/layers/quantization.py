@@ -1,6 +1,7 @@
 """Named quantizations (vLLM's `QuantizationConfig`): which `LinearMethod` each layer of a model gets.
 
-    quantization_config(name)            -> a config ("bf16", "int8", "w8a8", "gguf", "gguf_bf16",
+    quantization_config(name)            -> a config ("bf16", "int8", "w8a8", "w8a8x2", "w8a8x2_bf16",
+                                            "gguf", "gguf_bf16",
                                             "gguf_int8"); QuantizationError listing the names
     quantization_choices()               -> what `LLM(quantization=...)` and `--quantization` accept
     config.method_for(layer, tensors)    -> the layer's method, or None (the layer stays float)
@@ -20,6 +21,7 @@ from typing import ClassVar
 
 from flax import nnx
 
+from tp_jax.parallel.layers.by_rows import ByRows
 from tp_jax.parallel.layers.ggml import KEPT, GGUFBlocks
 from tp_jax.parallel.layers.int8 import Int8
 from tp_jax.parallel.layers.loading import LazyTensor
@@ -65,6 +67,22 @@ class W8A8x2Config(W8A8Config):
     """`Int8(activations="int8x2")`: int8 weights, activations as two int8 digits per token (~15 bits), one int8 dot."""
     name: ClassVar[str] = "w8a8x2"
     activations: ClassVar[str] = "int8x2"
+
+
+class W8A8x2Bf16Config(QuantizationConfig):
+    """`ByRows(Int8("int8x2"), Bfloat16())` (layers/by_rows.py): each weight int8 and bf16, a GEMM of at most
+    `max_rows` rows (decode of a few requests) with `w8a8x2`'s int8 dot, larger ones (batches, prefill) with
+    bf16's; stacked experts `Int8("int8x2")` alone. On XLA:CPU the faster of the two at every size, for the
+    bytes of both (docs/performance.md)."""
+    name: ClassVar[str] = "w8a8x2_bf16"
+    max_rows: ClassVar[int] = 4
+
+    def method_for(self, layer, tensors):
+        if layer.weight_kind not in Int8.kinds:
+            return None
+        if layer.weight_kind not in Bfloat16.kinds:
+            return Int8("int8x2")
+        return ByRows(Int8("int8x2"), Bfloat16(), self.max_rows, many_suffix="_bf16")
 
 
 class GGUFConfig(QuantizationConfig):
@@ -115,6 +133,7 @@ class GGUFInt8Config(GGUFConfig):
 
 QUANTIZATIONS: dict[str, type[QuantizationConfig]] = {
     "bf16": Bfloat16Config, "int8": Int8Config, "w8a8": W8A8Config, "w8a8x2": W8A8x2Config,
+    "w8a8x2_bf16": W8A8x2Bf16Config,
     "gguf": GGUFConfig, "gguf_bf16": GGUFBf16Config, "gguf_int8": GGUFInt8Config}
 
 

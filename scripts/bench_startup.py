@@ -16,7 +16,8 @@ Then each `--layer-loop` (`LLM(layer_loop=...)`, default auto) is loaded again i
 ("layer_loops": one entry each, side by side): `load_s` is that `LLM(model)` (the per-layer split of
 "switch" / "unrolled" included), `decode_compile_s` / `prefill_compile_s` the compile seconds (JAX's
 own compile events) of the engine's smallest decode step shape and of its prefill-chunk shape, at
-`--quantization` (default auto: the embedded GGUF as w8a8x2 on CPU).
+`--quantization` (default auto: the embedded GGUF as w8a8x2_bf16 under the switched loop on one CPU device, w8a8x2
+under the scan).
 """
 
 import argparse

@@ -1,11 +1,13 @@
 """Prompt logprobs (`SamplingParams(prompt_logprobs=k)`) == transformers' log-softmax at every prompt
-position: at tp 1, 2, 8, pp 2 and dp 2, with a prompt longer than one prefill chunk, with and
-without a cached prefix, under preemption; `max_tokens=0`; bad input."""
+position: at tp 1, 2, 8, pp 2 and dp 2, with a prompt longer than one prefill chunk (and one
+attended in several attention chunks), with and without a cached prefix, under preemption;
+`max_tokens=0`; bad input."""
 
 import numpy as np
 import pytest
 
-from tests.tiny_models import hf_logits, make_checkpoint
+from tests.tiny_models import hf_greedy, hf_logits, make_checkpoint
+from tp_jax.serving.batch import PREFILL_CHUNK
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
@@ -38,6 +40,21 @@ def check_against(ref: np.ndarray, prompt: list[int], got: list, k: int) -> floa
         assert set(entry) == {prompt[i], *top.tolist()}, (i, entry, top)
         worst = max(worst, *(abs(lp - row[t]) for t, lp in entry.items()))
     return worst
+
+
+@pytest.mark.parametrize("pp,tp", [(1, 1), (1, 2), (2, 1)], ids=lambda s: str(s))
+def test_a_prompt_attended_in_chunks_equals_transformers(model, pp, tp):
+    """With the default token budget the 75-token prompt is one prefill row of one step, whose
+    attention runs as chunks of PREFILL_CHUNK queries (batch.py): its prompt logprobs, and the
+    greedy tokens of every prompt, are transformers'."""
+    path, prompts, refs = model
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, progress=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=K))
+    worst = max(check_against(ref, p, o.prompt_logprobs, K) for p, ref, o in zip(prompts, refs, outs))
+    assert worst <= 1e-4, worst
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 3) for p in prompts]
+    widths = {s.prefill_width for s in llm.engine.core.runner.compiled_shapes}
+    assert PREFILL_CHUNK in widths and 128 not in widths             # the 75 tokens ran as 64 + 11, not padded to 128
 
 
 @pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (1, 1, 2), (1, 1, 8), (1, 2, 1), (2, 1, 2)],

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tp_jax.serving.batch import build_batch
+from tp_jax.serving.batch import PREFILL_CHUNK, build_batch
 from tp_jax.serving.request import Request, Status
 from tp_jax.serving.sampling import SamplingParams
 from tp_jax.serving.scheduler import Scheduler, SchedulerConfig
@@ -45,6 +45,7 @@ class Sim:
         self.finished: dict[str, list[int]] = {}
         self.steps = 0
         self.scheduled_tokens = 0
+        self.batches = []                     # (shape, prefill rows) of each step
 
     def step(self) -> None:
         out = self.sched.schedule()
@@ -63,6 +64,8 @@ class Sim:
             for slot, tok in zip(batch.slots[g], batch.ids[g]):
                 if slot >= 0:
                     self.pool[r, slot] = tok
+        check_prefill_chunks(batch)
+        self.batches.append((batch.shape, sum(r is not None for rows in batch.rows for r in rows[d:])))
         sampled = []
         for g, rows in enumerate(batch.rows):
             r = g // self.m
@@ -91,6 +94,25 @@ class Sim:
             self.step()
             t += 1
             assert t < max_steps, "the scheduler made no progress"
+
+
+def check_prefill_chunks(batch) -> None:
+    """The attention rows of each prefill row: its tokens in order, each once, in chunks of at most
+    T queries back to back, each with the row's block table; the row samples at its last chunk."""
+    d, n, t = batch.shape.decode_rows, batch.shape.tokens, batch.shape.prefill_width
+    assert t <= PREFILL_CHUNK
+    for g, rows in enumerate(batch.rows):
+        index, tables, j = batch.prefill_index[g], batch.prefill_tables[g], 0
+        for i in range(d, len(rows)):
+            if rows[i] is None:
+                continue
+            last, chunks = int(batch.logits_index[g, i]), -(-rows[i].num_tokens // t)
+            assert i - d == j + chunks - 1, "a row samples at its last chunk, right after the previous row's"
+            mine = index[j:j + chunks]
+            assert mine[mine < n].tolist() == list(range(last - rows[i].num_tokens + 1, last + 1))
+            assert (tables[j:j + chunks] == tables[j]).all()
+            j += chunks
+        assert (index[j:] == n).all(), "attention rows past the last chunk are padding"
 
 
 def check_invariants(sched: Scheduler) -> None:
@@ -145,6 +167,17 @@ def test_long_prompts_are_chunked_to_the_token_budget():
     sim.run({0: [req]})
     assert sim.finished["long"] == reference(list(range(30)), 3)
     assert sim.steps == 4 + 2                      # 30 prompt tokens in chunks of 8, then 2 decodes
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_prompts_longer_than_an_attention_chunk_are_split_into_chunks(microbatches):
+    rng = np.random.default_rng(3)
+    reqs = workload(rng, 12, max_prompt=3 * PREFILL_CHUNK, max_out=6)
+    sim = Sim(config(max_num_batched_tokens=4 * PREFILL_CHUNK, num_blocks=512), microbatches)
+    sim.run(arrivals((i // 4, r) for i, r in enumerate(reqs)))
+    for r in reqs:
+        assert sim.finished[r.request_id] == reference(r.token_ids[:r.prompt_len], r.max_tokens)
+    assert any(s.prefill_width == PREFILL_CHUNK and s.prefill_rows > rows for s, rows in sim.batches)
 
 
 def test_a_pool_too_small_preempts_and_still_completes_everything():

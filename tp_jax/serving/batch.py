@@ -6,15 +6,23 @@ g = replica * M + m holds only replica `replica`'s rows. Inside a group the N to
     [ D decode rows, one token each | the prefill rows' tokens, back to back | padding ]
 
 (a row is one request's tokens this step). The dense layers see only these N tokens; for
-attention each prefill row's tokens are gathered into a [P, T] layout (`prefill_index`).
+attention the prefill tokens are gathered into a [P, T] layout (`prefill_index`): each row in
+chunks of T = min(its bucketed length, PREFILL_CHUNK) queries, every chunk with its row's block
+table (a chunk sees the keys its row wrote this step, at earlier positions, as the row itself
+would). Chunks bound the padded queries and the [P, T, context] scores, which XLA:CPU
+materializes and whose size, once past its caches, set a prefill step's time: 8 rows of 256
+padded queries took 4.8x the time of 12 chunks of 64 (the same 512 tokens; SmolLM2's heads).
 The shape key (G, N, D, Wd, P, T, Wp) is bucketed, so a short list of programs is compiled
-once (`StepShape`): N (>= 16) and D, which the dense layers pay for, to 2^k or 3 * 2^k (at
-most a third padding); P, T (>= 16) and the block-table widths Wd, Wp (>= 8) to powers of two.
+once (`StepShape`): N (>= 16), D and P, which the dense layers or the attention pay for, to
+2^k or 3 * 2^k (at most a third padding); T (>= 16) and the block-table widths Wd, Wp (>= 8)
+to powers of two.
 
 Per group: ids, positions, slots [N] (slot = block * block_size + offset; -1 for padding),
 block tables [D, Wd] and [P, Wp], prefill_index [P, T] (N for padding), and `logits_index`
-[D + P]: the token whose logits each row samples from (its last). `rows[g][i]` is the
-ScheduledRow behind sample row i (None: padding).
+[D + P]: the token whose logits each sample row samples from. Sample row i < D is decode row
+i; a prefill row samples at its last chunk's row, D + (that chunk), from its last token, and
+the other chunks' sample rows are padding. `rows[g][i]` is the ScheduledRow behind sample row
+i (None: padding).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from tp_jax.serving.scheduler import ScheduledRow, SchedulerOutput
 MIN_TOKENS = 16               # steps with a prefill; a decode-only step pays for its rows alone
 MIN_PREFILL_WIDTH = 16
 MIN_BLOCKS = 8                # short contexts share one table width (fewer compiled shapes)
+PREFILL_CHUNK = 64            # the most queries of one prefill attention row (a power of two)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -124,6 +133,15 @@ def _split(rows: list[ScheduledRow], m: int) -> list[tuple[list[ScheduledRow], l
     return groups
 
 
+def prefill_layout(lengths: list[list[int]]) -> tuple[int, int]:
+    """(P, T) for each group's prefill row lengths: T the chunk width, P the most chunks of a group."""
+    longest = max((k for group in lengths for k in group), default=0)
+    if longest == 0:
+        return 0, 0
+    t = min(bucket(longest, MIN_PREFILL_WIDTH), PREFILL_CHUNK)
+    return fine_bucket(max(sum(-(-k // t) for k in group) for group in lengths)), t
+
+
 def _blocks(rows: list[ScheduledRow], block_size: int) -> int:
     return bucket(max((-(-(r.start + r.num_tokens) // block_size) for r in rows), default=0), MIN_BLOCKS)
 
@@ -134,16 +152,14 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
     groups = [(r, g) for r, rows in enumerate(out.rows) for g in _split(rows, microbatches)]
     decodes = [row for _, (dec, _) in groups for row in dec]
     prefills = [row for _, (_, pre) in groups for row in pre]
-    shape = StepShape(
+    p, t = prefill_layout([[r.num_tokens for r in pre] for _, (_, pre) in groups])
+    s = shape = StepShape(
         groups=len(groups),
         tokens=fine_bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups),
                            MIN_TOKENS if prefills else 1),
         decode_rows=fine_bucket(max(len(dec) for _, (dec, _) in groups)),
         decode_blocks=_blocks(decodes, block_size),
-        prefill_rows=bucket(max(len(pre) for _, (_, pre) in groups)),
-        prefill_width=bucket(max((r.num_tokens for r in prefills), default=0), MIN_PREFILL_WIDTH),
-        prefill_blocks=_blocks(prefills, block_size))
-    s = shape
+        prefill_rows=p, prefill_width=t, prefill_blocks=_blocks(prefills, block_size))
     g_n, n, d, p = s.groups, s.tokens, s.decode_rows, s.prefill_rows
     ids, pos = np.zeros((g_n, n), np.int32), np.zeros((g_n, n), np.int32)
     slots = np.full((g_n, n), -1, np.int32)
@@ -159,14 +175,18 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
                   dec_tables[g, i])
             logits_index[g, i] = i
             mine[i] = row
-        off = len(dec)
-        for j, row in enumerate(pre):
+        off, j = len(dec), 0
+        for row in pre:
+            first = j
             _fill(row, tables[replica][row.request.request_id], block_size, off, ids[g], pos[g], slots[g],
-                  pre_tables[g, j])
-            pre_index[g, j, :row.num_tokens] = np.arange(off, off + row.num_tokens)
+                  pre_tables[g, first])
+            for c in range(0, row.num_tokens, t):                               # the row's chunks
+                pre_index[g, j, :min(t, row.num_tokens - c)] = np.arange(off + c, off + min(c + t, row.num_tokens))
+                pre_tables[g, j] = pre_tables[g, first]
+                j += 1
             off += row.num_tokens
-            logits_index[g, d + j] = off - 1
-            mine[d + j] = row
+            logits_index[g, d + j - 1] = off - 1
+            mine[d + j - 1] = row
         sample_rows.append(mine)
     return StepBatch(shape, ids, pos, slots, dec_tables, pre_tables, pre_index, logits_index, sample_rows)
 

@@ -52,9 +52,9 @@ class PromptPlan:
 
 
 def _row_offset(batch: StepBatch, g: int, i: int) -> int:
-    """Where sample row i of group g starts in the group's token layout (decode rows first)."""
-    d = batch.shape.decode_rows
-    return i if i < d else int(batch.prefill_index[g, i - d, 0])
+    """Where sample row i of group g starts in the group's token layout (decode rows first): its
+    tokens are back to back and end at the one it samples from."""
+    return int(batch.logits_index[g, i]) - batch.rows[g][i].num_tokens + 1
 
 
 def plan(batch: StepBatch, vocab_size: int) -> PromptPlan | None:

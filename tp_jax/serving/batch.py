@@ -133,12 +133,12 @@ def _split(rows: list[ScheduledRow], m: int) -> list[tuple[list[ScheduledRow], l
     return groups
 
 
-def prefill_layout(lengths: list[list[int]]) -> tuple[int, int]:
+def prefill_layout(lengths: list[list[int]], chunk: int = PREFILL_CHUNK) -> tuple[int, int]:
     """(P, T) for each group's prefill row lengths: T the chunk width, P the most chunks of a group."""
     longest = max((k for group in lengths for k in group), default=0)
     if longest == 0:
         return 0, 0
-    t = min(bucket(longest, MIN_PREFILL_WIDTH), PREFILL_CHUNK)
+    t = min(bucket(longest, MIN_PREFILL_WIDTH), chunk)
     return fine_bucket(max(sum(-(-k // t) for k in group) for group in lengths)), t
 
 

@@ -153,7 +153,7 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
     decodes = [row for _, (dec, _) in groups for row in dec]
     prefills = [row for _, (_, pre) in groups for row in pre]
     p, t = prefill_layout([[r.num_tokens for r in pre] for _, (_, pre) in groups])
-    s = shape = StepShape(
+    s = StepShape(
         groups=len(groups),
         tokens=fine_bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups),
                            MIN_TOKENS if prefills else 1),
@@ -188,7 +188,7 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
             logits_index[g, d + j - 1] = off - 1
             mine[d + j - 1] = row
         sample_rows.append(mine)
-    return StepBatch(shape, ids, pos, slots, dec_tables, pre_tables, pre_index, logits_index, sample_rows)
+    return StepBatch(s, ids, pos, slots, dec_tables, pre_tables, pre_index, logits_index, sample_rows)
 
 
 def _fill(row: ScheduledRow, table: list[int], block_size: int, off: int, ids, pos, slots, table_out) -> None:

@@ -3,9 +3,13 @@
 Random pools and block tables: decode rows and prefill rows mixed in one flat batch, GQA,
 sliding windows, padding tokens that must not be written, stale data in unused slots that
 must never be read; and the compiled prefill chunk keeps per-layer memory at chunk x context.
+scripts/bench_attention.py times this attention on the engine's own prefill layouts.
 """
 
+import json
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -123,3 +127,19 @@ def test_a_prefill_chunk_never_builds_a_whole_prompt_score_matrix():
     sizes = [np.prod([int(d) for d in m.split(",") if d]) for m in re.findall(r"f32\[([\d,]*)\]", hlo)]
     assert max(sizes) <= HKV * G * chunk * ctx           # the scores of one chunk, nothing bigger
     assert max(sizes) >= HKV * G * chunk * ctx // 2
+
+
+def test_bench_attention_measures_the_engines_layout_and_refuses_bad_widths():
+    """scripts/bench_attention.py lays the step out with build_batch: 70 + 5 tokens in chunks of 64
+    are 3 attention rows (64 + 6, 5), as whole rows 2 of 128; a width that is not a power of two
+    and an empty prompt are one-line usage errors."""
+    run = lambda *a: subprocess.run([sys.executable, "scripts/bench_attention.py", *a], capture_output=True,
+                                    text=True, timeout=300)
+    r = run("--prompts", "70", "5", "--chunks", "64", "0", "--repeat", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {x["chunk"]: (x["rows"], x["width"], x["context"]) for x in json.loads(r.stdout)["results"]}
+    assert rows == {64: (3, 64, 128), "whole rows": (2, 128, 128)}
+    for args, msg in [(("--chunks", "48"), "--chunks must be powers of two"),
+                      (("--prompts", "0"), "--prompts must be at least 1 token")]:
+        r = run(*args)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr

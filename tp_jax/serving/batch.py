@@ -10,8 +10,8 @@ attention the prefill tokens are gathered into a [P, T] layout (`prefill_index`)
 chunks of T = min(its bucketed length, PREFILL_CHUNK) queries, every chunk with its row's block
 table (a chunk sees the keys its row wrote this step, at earlier positions, as the row itself
 would). Chunks bound the padded queries and the [P, T, context] scores, which XLA:CPU
-materializes and whose size, once past its caches, set a prefill step's time: 8 rows of 256
-padded queries took 4.8x the time of 12 chunks of 64 (the same 512 tokens; SmolLM2's heads).
+materializes and whose size, once past its caches, sets a prefill step's time: 6 prompts of
+12-150 tokens as 8 rows of 256 took 3.1x the time of 12 chunks of 64 (scripts/bench_attention.py).
 The shape key (G, N, D, Wd, P, T, Wp) is bucketed, so a short list of programs is compiled
 once (`StepShape`): N (>= 16), D and P, which the dense layers or the attention pay for, to
 2^k or 3 * 2^k (at most a third padding); T (>= 16) and the block-table widths Wd, Wp (>= 8)
@@ -147,12 +147,13 @@ def _blocks(rows: list[ScheduledRow], block_size: int) -> int:
 
 
 def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_size: int,
-                microbatches: int) -> StepBatch:
-    """`tables[replica][request_id]` is each scheduled request's block table."""
+                microbatches: int, chunk: int = PREFILL_CHUNK) -> StepBatch:
+    """`tables[replica][request_id]` is each scheduled request's block table; `chunk` the most queries
+    of a prefill attention row (a power of two; scripts/bench_attention.py compares them)."""
     groups = [(r, g) for r, rows in enumerate(out.rows) for g in _split(rows, microbatches)]
     decodes = [row for _, (dec, _) in groups for row in dec]
     prefills = [row for _, (_, pre) in groups for row in pre]
-    p, t = prefill_layout([[r.num_tokens for r in pre] for _, (_, pre) in groups])
+    p, t = prefill_layout([[r.num_tokens for r in pre] for _, (_, pre) in groups], chunk)
     s = StepShape(
         groups=len(groups),
         tokens=fine_bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups),

@@ -79,8 +79,8 @@ def test_by_rows_is_each_of_its_methods_bit_for_bit(tp):
     vocab head give w8a8x2's outputs exactly up to 4 rows and bf16's from 5; its embedding is bf16's rows. Each of
     the two is checked against numpy above (test_row_layer_and_head), so this is their reference here."""
     from tp_jax.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-    from tp_jax.parallel.layers.quantization import quantization_config
-    config = quantization_config("w8a8x2_bf16")
+    from tp_jax.parallel.layers.quantization import W8A8x2Bf16Config
+    config = W8A8x2Bf16Config(max_rows=4)
     mesh = mesh_for(1, 1, tp)
     w, b, head_w = randn(40, 768), randn(40, seed=1), randn(104, 64, seed=3)
     kinds = [(RowParallelLinear, (768, 40), {"kernel": {"weight": w}, "bias": {"bias": b}}, batch_spec("tp"), None),
@@ -111,6 +111,21 @@ def test_by_rows_is_each_of_its_methods_bit_for_bit(tp):
     rows = {k: np.asarray(shard_module(t, mesh, in_specs=(batch_spec(),), out_specs=batch_spec())(ids))
             for k, t in tables.items()}
     np.testing.assert_array_equal(rows["both"], rows["bf16"])
+
+
+def test_the_by_rows_threshold_follows_the_cpu(tmp_path):
+    """w8a8x2_bf16's default threshold: 24 rows on a CPU with AMX-INT8 (XLA:CPU's int8 dot the faster up to 24
+    tokens there), 4 elsewhere and where /proc/cpuinfo cannot be read; the named config uses this host's."""
+    from tp_jax.parallel.layers.quantization import W8A8x2Bf16Config, cpu_flags, int8_max_rows
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+    assert "amx_int8" in cpu_flags(str(info)) and "avx512_vnni" in cpu_flags(str(info))
+    assert int8_max_rows(cpu_flags(str(info))) == 24
+    assert int8_max_rows(frozenset({"avx512_vnni", "avx512_bf16"})) == 4          # the AMD EPYC measured
+    assert cpu_flags(str(tmp_path / "missing")) == frozenset() and int8_max_rows(frozenset()) == 4
+    assert W8A8x2Bf16Config().max_rows == int8_max_rows(cpu_flags())
+    layer = build(mesh_for(1, 1, 1), RowParallelLinear, 768, 40)
+    assert W8A8x2Bf16Config(max_rows=24).method_for(layer, {}).label == "w8a8x2 (<= 24 rows) / bf16"
 
 
 def test_by_rows_refuses_what_it_cannot_hold():

@@ -16,6 +16,7 @@ metadata (a GGUF tensor's `quant_type`), never their data. Layers that hold no
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -69,13 +70,37 @@ class W8A8x2Config(W8A8Config):
     activations: ClassVar[str] = "int8x2"
 
 
+INT8_MAX_ROWS = {"amx_int8": 24}   # a CPU flag -> the most rows w8a8x2_bf16 runs as int8 there (measured:
+DEFAULT_INT8_MAX_ROWS = 4         # docs/performance.md, "The by-rows threshold on each CPU"); without one: 4
+
+
+@functools.cache
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """This host's CPU feature flags (Linux's /proc/cpuinfo); empty where that cannot be read."""
+    try:
+        with open(path) as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def int8_max_rows(flags: frozenset[str] | None = None) -> int:
+    """The most rows of a GEMM that `w8a8x2_bf16` runs with the int8 dot on a CPU with `flags` (default: this
+    host's): where XLA:CPU's int8 dot stops being the faster of the two, measured per CPU (`INT8_MAX_ROWS`)."""
+    flags = cpu_flags() if flags is None else flags
+    return max((rows for flag, rows in INT8_MAX_ROWS.items() if flag in flags), default=DEFAULT_INT8_MAX_ROWS)
+
+
 class W8A8x2Bf16Config(QuantizationConfig):
     """`ByRows(Int8("int8x2"), Bfloat16())` (layers/by_rows.py): each weight int8 and bf16, a GEMM of at most
     `max_rows` rows (decode of a few requests) with `w8a8x2`'s int8 dot, larger ones (batches, prefill) with
     bf16's; stacked experts `Int8("int8x2")` alone. On XLA:CPU the faster of the two at every size, for the
-    bytes of both (docs/performance.md)."""
+    bytes of both (docs/performance.md). `max_rows` (default `int8_max_rows()`: 4, or 24 on a CPU with AMX)."""
     name: ClassVar[str] = "w8a8x2_bf16"
-    max_rows: ClassVar[int] = 4
+
+    def __init__(self, max_rows: int | None = None):
+        self.max_rows = int8_max_rows() if max_rows is None else max_rows
 
     def method_for(self, layer, tensors):
         if layer.weight_kind not in Int8.kinds:

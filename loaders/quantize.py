@@ -10,8 +10,8 @@ or "auto", which picks by checkpoint and platform (`auto_choice`, measured in do
 * a GGUF file whose linear or vocab weights are quantized: on a one-device CPU mesh under the
   switched or unrolled layer loop (where bf16 dots are fast, as below) "w8a8x2_bf16", each weight
   held twice, int8 per output row and bf16 (layers/by_rows.py): a GEMM of at most 4 rows (decode of
-  up to 4 requests) runs "w8a8x2"'s int8 x int8 -> int32 dot of two activation digits, XLA:CPU's
-  fastest there (SmolLM2 +1.5% perplexity against the file's float32 weights), a larger one (8
+  up to 4 requests; 24 on a CPU with AMX-INT8, `int8_max_rows`) runs "w8a8x2"'s int8 x int8 -> int32
+  dot of two activation digits, XLA:CPU's fastest there (SmolLM2 +1.5% perplexity against the file's float32 weights), a larger one (8
   requests, a prefill) the bf16 x bf16 -> float32 dot, fastest there. Both forms take 3 bytes a
   weight; where that is over half the host's memory (`LEAN`), "w8a8x2" alone (1 byte) with a
   warning. On several CPU devices or under the scan "w8a8x2"; on accelerators the blocks kept

@@ -50,7 +50,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="how weights are held: auto (a quantized .gguf: w8a8x2_bf16 on CPU, its blocks elsewhere; "
                          "else as stored), none (float), bf16, int8 (weight-only, per output channel), w8a8 (int8 "
                          "weights and activations), w8a8x2 (int8 weights, activations as two int8 digits), w8a8x2_bf16 "
-                         "(int8 and bf16 weights: w8a8x2 up to 4 rows, bf16 above), gguf "
+                         "(int8 and bf16 weights: w8a8x2 up to 4 rows, 24 with AMX, bf16 above), gguf "
                          "(keep GGUF blocks, float32 dots), gguf_bf16, gguf_int8; docs/quantization.md")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per dp replica")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step per dp replica "

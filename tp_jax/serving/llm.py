@@ -74,7 +74,7 @@ class LLM:
     measured faster) and on GPU / TPU, where conditionals in the loop have not been measured; `.layer_loop`
     says which runs; see docs/performance.md);
     quantization ("auto": a quantized GGUF file becomes "w8a8x2_bf16" on CPU (each weight int8 and bf16,
-    a GEMM of up to 4 rows with "w8a8x2"'s dot, larger ones with "bf16"'s) and keeps its Q8_0 /
+    a GEMM of up to 4 rows, 24 on a CPU with AMX, with "w8a8x2"'s dot, larger ones with "bf16"'s) and keeps its Q8_0 /
     Q4_0 / Q4_1 blocks elsewhere; a checkpoint stored in bfloat16 becomes "bf16" on one CPU device when
     the layer loop is "switch" or "unrolled" ("switch" is the default there) and dtype is "auto", float32
     under the scan and on several devices; other checkpoints load as stored; "int8": weight-only int8 per

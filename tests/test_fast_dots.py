@@ -29,6 +29,7 @@ from tests.tiny_models import hf_logits, make_checkpoint
 from tp_jax.parallel.layers import Bfloat16, GGUFBlocks, Int8, ParallelLMHead, RowParallelLinear
 from tp_jax.parallel.layers.ggml import QuantizedArray
 from tp_jax.parallel.layers.method import fast_dot
+from tp_jax.parallel.layers.quantization import int8_max_rows
 from tp_jax.parallel.shard import shard_module
 from tp_jax.serving.llm import LLM
 
@@ -272,7 +273,7 @@ def test_gguf_fast_dots_against_transformers_on_the_dequantized_weights(root, id
     cpu = jax.default_backend() == "cpu"
     for layout in LAYOUTS:
         llm = load_llm(path, layout, quantization=quantization)
-        auto = ("w8a8x2 (<= 4 rows) / bf16" if layout == (1, 1, 1) else "w8a8x2") if cpu else None
+        auto = (f"w8a8x2 (<= {int8_max_rows()} rows) / bf16" if layout == (1, 1, 1) else "w8a8x2") if cpu else None
         want = {"w8a8x2": "w8a8x2", "auto": auto}.get(quantization)
         assert llm.quantization == want if want else llm.quantization.endswith("dot)")
         got = llm.get_logits(ids)

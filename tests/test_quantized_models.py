@@ -19,6 +19,7 @@ from tests.quant_models import dequantized_copy, int8_dequantized, write_tiny_gg
 from tests.tiny_models import hf_logits, make_checkpoint
 from tp_jax.loaders.model import param_bytes_per_device
 from tp_jax.parallel.layers import QuantizationError
+from tp_jax.parallel.layers.quantization import int8_max_rows
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
@@ -264,14 +265,15 @@ def test_auto_loads_a_type_not_kept_as_float_with_a_warning(q5_down_file, monkey
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fp = LLM(q5_down_file, quantization=None, progress=False)
-    ids = np.arange(1, 9)[None] % 32
+    ids = np.arange(1, int8_max_rows() + 6)[None] % 32                  # 4 tokens, and a step past the threshold
     got, want = auto.get_logits(ids), fp.get_logits(ids)
     assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()      # the bf16 dot's bound (tests/test_fast_dots.py)
 
 
 def test_auto_on_cpu_holds_every_gguf_type_int8_and_bf16(q5_down_file):
     """On one CPU device "auto" holds each weight twice (`ByRows`), int8 per output row (W8A8 with two activation digits) and
-    bf16, from every GGUF type, the Q5_0 layer's too, with no warning. A step of up to 4 rows runs w8a8x2's dots on
+    bf16, from every GGUF type, the Q5_0 layer's too, with no warning. A step of up to 4 rows (the threshold is 4, or
+    24 on a CPU with AMX) runs w8a8x2's dots on
     the embedding's bf16 rows: as close to the float model as "w8a8x2" (measured 1.9e-2 and 2.5e-2 of the largest
     logit, the int8 weights' rounding); a longer one is "bf16"'s, bit for bit."""
     if jax.default_backend() != "cpu":
@@ -279,8 +281,8 @@ def test_auto_on_cpu_holds_every_gguf_type_int8_and_bf16(q5_down_file):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         auto = LLM(q5_down_file, progress=False)
-    assert auto.quantization == "w8a8x2 (<= 4 rows) / bf16"
-    ids = np.arange(1, 9)[None] % 32
+    assert auto.quantization == f"w8a8x2 (<= {int8_max_rows()} rows) / bf16"             # this CPU's threshold
+    ids = np.arange(1, int8_max_rows() + 6)[None] % 32                  # 4 tokens, and a step past the threshold
     want = LLM(q5_down_file, quantization=None, progress=False).get_logits(ids[:, :4])
     w8a8x2 = LLM(q5_down_file, quantization="w8a8x2", progress=False).get_logits(ids[:, :4])
     err = {k: float(np.abs(v - want).max() / np.abs(want).max()) for k, v in [("auto", auto.get_logits(ids[:, :4])),

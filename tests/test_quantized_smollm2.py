@@ -14,6 +14,7 @@ import pytest
 from tests.test_quantized_models import agreement, perplexity
 from tests.test_smollm2 import GREEDY_PROMPTS, TEXT
 from tp_jax.loaders.model import param_bytes_per_device
+from tp_jax.parallel.layers.quantization import int8_max_rows
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
@@ -72,7 +73,7 @@ def test_perplexity_greedy_agreement_and_bytes(runs, text_ids):
     assert runs["gguf"][2] == fp_tokens                  # the same weights, dequantized inside the GEMM
     assert abs(figures["gguf"][0] - 1) <= 0.02 and figures["gguf"][1] <= 0.2
     cpu = jax.default_backend() == "cpu"
-    assert runs["default"][0].quantization == ("w8a8x2 (<= 4 rows) / bf16" if cpu else "gguf Q4_1, gguf Q8_0")
+    assert runs["default"][0].quantization == (f"w8a8x2 (<= {int8_max_rows()} rows) / bf16" if cpu else "gguf Q4_1, gguf Q8_0")
     # on one CPU device the default holds int8 and bf16 (3 bytes a weight): the text's logits and the prompts'
     # prefill run bf16's GEMMs, the 3 prompts' decode steps (3 rows) w8a8x2's (its own figures below, tp = 2,
     # where it is the default)

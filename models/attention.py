@@ -24,7 +24,8 @@ layout the two dots batch over, so neither K nor V is transposed after the gathe
 
 `PAGED_BACKENDS` maps a name to an implementation with `paged_reference`'s signature; the
 reference (gather + masked softmax in jax.numpy) runs everywhere and is the oracle for any
-other: "jax_nn" computes each group with `jax.nn.dot_product_attention` (XLA on CPU, cuDNN's
+other: "bf16" rounds both dots' operands to bfloat16 (float32 accumulation; `auto_backend` picks
+it on a CPU with AMX when the weights run bf16 dots), "jax_nn" computes each group with `jax.nn.dot_product_attention` (XLA on CPU, cuDNN's
 fused kernel on a GPU where it supports the shape), and a Pallas kernel for an accelerator
 registers the same way (`LLM(attention_backend=...)`).
 """
@@ -39,28 +40,31 @@ import jax.numpy as jnp
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-              scale: float, window: int | None = None, heads_first: bool = False) -> jax.Array:
+              scale: float, window: int | None = None, heads_first: bool = False, dot_dtype=None) -> jax.Array:
     """softmax(q k^T * scale + mask) v -> [B, T, Hq * hd]; q_pos[B, T], k_pos[S] or [B, S].
 
     k/v[B, S, Hkv, hd], or with `heads_first` [B, Hkv, S, hd] (the pool's rows): the layout both
     dots batch over, so XLA feeds them k and v as they are (no transpose of S rows, only of q,
-    the scores and the T output rows).
+    the scores and the T output rows). `dot_dtype` (e.g. bfloat16): both dots' operands rounded to
+    it, float32 accumulation and output (the softmax stays float32).
     """
+    cast = (lambda x: x) if dot_dtype is None else (lambda x: x.astype(dot_dtype))
     b, t, hq, hd = q.shape
     hkv = k.shape[1 if heads_first else 2]
     kv = "bksd" if heads_first else "bskd"
     qg = q.reshape(b, t, hkv, hq // hkv, hd)
-    scores = jnp.einsum(f"btkgd,{kv}->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum(f"btkgd,{kv}->bkgts", cast(qg), cast(k), preferred_element_type=jnp.float32) * scale
     k_pos = k_pos if k_pos.ndim == 2 else k_pos[None]
     allowed = k_pos[:, None, :] <= q_pos[:, :, None]                             # [B, T, S]
     if window is not None:
         allowed &= k_pos[:, None, :] > q_pos[:, :, None] - window
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    wide = {} if dot_dtype is None else {"preferred_element_type": jnp.float32}
     if heads_first:
-        out = jnp.einsum("bkgts,bksd->bkgtd", probs, v).transpose(0, 3, 1, 2, 4)
+        out = jnp.einsum("bkgts,bksd->bkgtd", cast(probs), cast(v), **wide).transpose(0, 3, 1, 2, 4)
     else:
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+        out = jnp.einsum("bkgts,bskd->btkgd", cast(probs), cast(v), **wide)
     return out.reshape(b, t, hq * hd)
 
 
@@ -131,7 +135,21 @@ def paged_sdpa(q, k_pool, v_pool, layer, positions, decode_tables, prefill_table
                   _sdpa)
 
 
-PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "jax_nn": paged_sdpa}
+def paged_bf16(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window):
+    """`paged_reference` with both dots' operands in bfloat16, float32 accumulation: on a CPU with AMX XLA's
+    batched bf16 dots run ~3x its float32 ones (docs/performance.md)."""
+    return _paged(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window,
+                  functools.partial(attention, heads_first=True, dot_dtype=jnp.bfloat16))
+
+
+PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "jax_nn": paged_sdpa, "bf16": paged_bf16}
+AUTO = "auto"
+
+
+def auto_backend(platform: str, bf16_dots: bool, cpu_flags: frozenset[str]) -> str:
+    """What attention_backend="auto" runs: "bf16" on a CPU with AMX-BF16 when the weights' GEMMs already run bf16
+    dots (`bf16_dots`: the run is not float32-exact anyway), else "reference"."""
+    return "bf16" if platform == "cpu" and bf16_dots and "amx_bf16" in cpu_flags else "reference"
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache=None, *, scale: float,

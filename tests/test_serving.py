@@ -264,7 +264,7 @@ def test_the_jax_nn_attention_backend_gives_the_same_tokens(path, compact_alone)
     jax_nn = LLM(path, tensor_parallel_size=2, attention_backend="jax_nn", progress=False)
     assert run_workload(jax_nn.engine, compact_workload()) == compact_alone
     with pytest.raises(ValueError, match=r"attention_backend='flash' is not registered; choose one of "
-                                         r"\['jax_nn', 'reference'\]"):
+                                         r"\['bf16', 'jax_nn', 'reference'\]"):
         LLM(path, attention_backend="flash", progress=False)
 
 

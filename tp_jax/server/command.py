@@ -67,8 +67,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-microbatches", type=int, default=None, help="pipeline micro-batches per dp replica "
                     "(default: --pp)")
     ap.add_argument("--seed", type=int, default=0, help="the engine's randomness for unseeded requests")
-    ap.add_argument("--attention-backend", default="reference",
-                    help="paged attention: reference, or jax_nn (jax.nn.dot_product_attention, cuDNN on GPUs); "
+    ap.add_argument("--attention-backend", default="auto",
+                    help="paged attention: auto (bf16 on a CPU with AMX when the weights run bf16 dots, else "
+                         "reference), reference, bf16 (bf16 dot operands, float32 accumulation), or jax_nn "
+                         "(jax.nn.dot_product_attention, cuDNN on GPUs); "
                          "models/attention.py PAGED_BACKENDS")
     ap.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
                     help="how a step runs the decoder layers: scan (stacked weights), switch (per-layer weights "

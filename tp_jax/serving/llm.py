@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tp_jax.models.attention import AUTO as AUTO_ATTENTION, auto_backend
 from tp_jax.multihost.distributed import agree, share_from_driver, to_global, to_host
+from tp_jax.parallel.layers.quantization import cpu_flags
 from tp_jax.parallel.mesh import DP, make_mesh
 from tp_jax.parallel.pipeline import choose_microbatches
 from tp_jax.serving.args import validate_llm_args
@@ -64,8 +66,10 @@ class LLM:
     check_weights (refuse weights holding NaN / infinity: a cheap check per tensor while
     loading, on by default; False skips it); compile_cache (True: JAX's persistent compilation
     cache in ~/.cache/tp_jax/xla or $TP_JAX_COMPILE_CACHE; a directory; False: off; see
-    tp_jax/serving/compile_cache.py); attention_backend ("reference", or "jax_nn":
-    jax.nn.dot_product_attention, cuDNN on GPUs); layer_loop (how a step runs the decoder layers:
+    tp_jax/serving/compile_cache.py); attention_backend ("auto": "bf16" (the paged attention's dots with
+    bfloat16 operands, float32 accumulation) on a CPU with AMX when the weights run bf16 dots, as "auto"'s
+    GGUF default does there, else "reference"; "reference", "bf16", or "jax_nn":
+    jax.nn.dot_product_attention, cuDNN on GPUs; `.attention_backend` says which runs); layer_loop (how a step runs the decoder layers:
     "scan": a lax.scan over the stacked weights, which XLA:CPU copies out layer by layer; "switch": one
     array per layer in a layer loop, each GEMM a lax.switch over the layers, weights read in place at the
     scan's compile time; "unrolled": one array per layer, the layers unrolled, about 10x the compile time
@@ -95,7 +99,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
                  check_weights: bool = True, compile_cache: bool | str = True,
-                 attention_backend: str = "reference", layer_loop: str = "auto",
+                 attention_backend: str = "auto", layer_loop: str = "auto",
                  quantization: str | None = "auto", enable_expert_parallel: bool = False):
         validate_llm_args(**locals())                  # types and ranges, before any work (EngineConfig: the rest)
         from tp_jax.serving import compile_cache as cache
@@ -124,7 +128,8 @@ class LLM:
             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, num_gpu_blocks=num_gpu_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            num_microbatches=self.num_microbatches, seed=seed, attention_backend=attention_backend)
+            num_microbatches=self.num_microbatches, seed=seed,
+            attention_backend="reference" if attention_backend == AUTO_ATTENTION else attention_backend)
         if num_gpu_blocks is not None or kv_cache_memory_bytes is not None:      # a pool too small: fail now
             from tp_jax.serving.kv_pool import plan_pool
             plan_pool(abstract_model(self.config, self.mesh, self.dtype).kv_layout(), self.mesh,
@@ -137,6 +142,10 @@ class LLM:
                                       layer_loop=self.layer_loop if dtype == "auto" else None)
         from tp_jax.loaders.quantize import describe_methods
         self.quantization = describe_methods(self.model)
+        if attention_backend == AUTO_ATTENTION:                 # "bf16" dots where the GEMMs already run bf16 ones
+            self.engine_config = dataclasses.replace(self.engine_config, attention_backend=auto_backend(
+                self.mesh.devices.flat[0].platform, "bf16" in self.quantization, cpu_flags()))
+        self.attention_backend = self.engine_config.attention_backend
         use_layer_loop(self.model, self.mesh, self.layer_loop)
         self.seed, self.max_num_seqs = seed, max_num_seqs
         self._forward = None

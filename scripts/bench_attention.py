@@ -2,13 +2,15 @@
 
     python scripts/bench_attention.py [--prompts 150 120 90 80 60 12] [--chunks 64 32 128 0]
                                       [--heads 9 3] [--head-dim 64] [--block-size 16] [--repeat 20]
+                                      [--backends reference bf16]
 
 The step holds the first chunks of `--prompts` (no cached context), laid out by the engine's
 own `build_batch` (serving/batch.py) with each of `--chunks` as its `PREFILL_CHUNK`; 0 lays each
 prompt out as one attention row padded to its bucketed length (whole rows, the layout before
 chunks, except that their count was then padded to a power of two). Times one jitted
 `paged_reference` (models/attention.py; the write of the new keys not included), best of
-`--repeat`: per chunk width `ms`, the attention rows P, their width T, the padded queries and
+`--repeat`: per chunk width and each of `--backends` (models/attention.py PAGED_BACKENDS; default
+the float32 reference) `ms`, the attention rows P, their width T, the padded queries and
 the context each row reads. Default heads are SmolLM2's (9 query heads over 3 KV heads of 64).
 """
 
@@ -45,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--backends", nargs="+", default=["reference"], help="PAGED_BACKENDS names, each timed")
     args = ap.parse_args(argv)
     if any(c < 0 or (c and c & (c - 1)) for c in args.chunks):
         ap.error(f"--chunks must be powers of two (or 0 for whole rows), got {args.chunks}")
@@ -52,7 +55,10 @@ def main(argv=None) -> int:
         ap.error(f"--prompts must be at least 1 token each, got {args.prompts}")
     import jax
     import jax.numpy as jnp
-    from tp_jax.models.attention import paged_reference
+    from tp_jax.models.attention import PAGED_BACKENDS
+    unknown = sorted(set(args.backends) - set(PAGED_BACKENDS))
+    if unknown:
+        ap.error(f"--backends {unknown} not registered; choose from {sorted(PAGED_BACKENDS)}")
     hq, hkv = args.heads
     hd, bs = args.head_dim, args.block_size
     rng = np.random.default_rng(0)
@@ -63,18 +69,21 @@ def main(argv=None) -> int:
         q = jnp.asarray(rng.standard_normal((b.shape.tokens, hq, hd), dtype=np.float32))
         inputs = [q, *pools] + [jnp.asarray(a[0]) for a in (b.positions, b.decode_tables, b.prefill_tables,
                                                             b.prefill_index)]
-        run = jax.jit(lambda q, k, v, pos, dec, pre, index: paged_reference(
-            q, k, v, jnp.int32(0), pos, dec, pre, index, hd ** -0.5, None))
-        jax.block_until_ready(run(*inputs))
-        times = []
-        for _ in range(args.repeat):
-            t = time.perf_counter()
-            jax.block_until_ready(run(*inputs))
-            times.append(time.perf_counter() - t)
         s = b.shape
-        results.append({"chunk": chunk or "whole rows", "ms": round(min(times) * 1e3, 3), "rows": s.prefill_rows,
-                        "width": s.prefill_width, "padded_queries": s.prefill_rows * s.prefill_width,
-                        "context": s.prefill_blocks * bs})
+        row = {"chunk": chunk or "whole rows", "rows": s.prefill_rows, "width": s.prefill_width,
+               "padded_queries": s.prefill_rows * s.prefill_width, "context": s.prefill_blocks * bs}
+        for name in args.backends:
+            impl = PAGED_BACKENDS[name]
+            run = jax.jit(lambda q, k, v, pos, dec, pre, index, impl=impl: impl(
+                q, k, v, jnp.int32(0), pos, dec, pre, index, hd ** -0.5, None))
+            jax.block_until_ready(run(*inputs))
+            times = []
+            for _ in range(args.repeat):
+                t = time.perf_counter()
+                jax.block_until_ready(run(*inputs))
+                times.append(time.perf_counter() - t)
+            row["ms" if name == "reference" else f"ms_{name}"] = round(min(times) * 1e3, 3)
+        results.append(row)
     print(json.dumps({"prompts": args.prompts, "heads": args.heads, "head_dim": hd, "block_size": bs,
                       "platform": jax.default_backend(), "results": results}))
     return 0

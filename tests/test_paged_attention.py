@@ -141,12 +141,15 @@ def test_bench_attention_measures_the_engines_layout_and_refuses_bad_widths():
     and an empty prompt are one-line usage errors."""
     run = lambda *a: subprocess.run([sys.executable, "scripts/bench_attention.py", *a], capture_output=True,
                                     text=True, timeout=300)
-    r = run("--prompts", "70", "5", "--chunks", "64", "0", "--repeat", "1")
+    r = run("--prompts", "70", "5", "--chunks", "64", "0", "--repeat", "1", "--backends", "reference", "bf16")
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = {x["chunk"]: (x["rows"], x["width"], x["context"]) for x in json.loads(r.stdout)["results"]}
+    results = json.loads(r.stdout)["results"]
+    rows = {x["chunk"]: (x["rows"], x["width"], x["context"]) for x in results}
     assert rows == {64: (3, 64, 128), "whole rows": (2, 128, 128)}
+    assert all(x["ms"] > 0 and x["ms_bf16"] > 0 for x in results)
     for args, msg in [(("--chunks", "48"), "--chunks must be powers of two"),
-                      (("--prompts", "0"), "--prompts must be at least 1 token")]:
+                      (("--prompts", "0"), "--prompts must be at least 1 token"),
+                      (("--backends", "flash"), "--backends ['flash'] not registered")]:
         r = run(*args)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
 

@@ -265,7 +265,7 @@ def test_auto_loads_a_type_not_kept_as_float_with_a_warning(q5_down_file, monkey
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fp = LLM(q5_down_file, quantization=None, progress=False)
-    ids = np.arange(1, int8_max_rows() + 6)[None] % 32                  # 4 tokens, and a step past the threshold
+    ids = np.arange(1, 9)[None] % 32
     got, want = auto.get_logits(ids), fp.get_logits(ids)
     assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()      # the bf16 dot's bound (tests/test_fast_dots.py)
 

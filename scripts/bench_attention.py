@@ -7,11 +7,10 @@
 The step holds the first chunks of `--prompts` (no cached context), laid out by the engine's
 own `build_batch` (serving/batch.py) with each of `--chunks` as its `PREFILL_CHUNK`; 0 lays each
 prompt out as one attention row padded to its bucketed length (whole rows, the layout before
-chunks, except that their count was then padded to a power of two). Times one jitted
-`paged_reference` (models/attention.py; the write of the new keys not included), best of
-`--repeat`: per chunk width and each of `--backends` (models/attention.py PAGED_BACKENDS; default
-the float32 reference) `ms`, the attention rows P, their width T, the padded queries and
-the context each row reads. Default heads are SmolLM2's (9 query heads over 3 KV heads of 64).
+chunks, except that their count was then padded to a power of two). Times each of `--backends`
+(models/attention.py PAGED_BACKENDS, default the float32 `paged_reference`) jitted, the write of the
+new keys not included, best of `--repeat`: per chunk width `ms` (the reference) or `ms_<backend>`,
+the attention rows P, their width T, the padded queries and the context each row reads. Default heads are SmolLM2's (9 query heads over 3 KV heads of 64).
 """
 
 import argparse

@@ -89,33 +89,72 @@ def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array) -> jax.Arr
     return rows.reshape(tables.shape[0], h, tables.shape[1] * bs, hd)
 
 
+def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
+                 batch, scale: float, window: int | None, dot_dtype=None) -> jax.Array:
+    """The D decode rows' attention -> [D, Hq * hd], split-K over the batch's chunks (flash-decoding).
+
+    Each chunk (a virtual row: `chunk_tables`, `chunk_row`, `chunk_start`) attends its row's query to
+    its Cb blocks alone, keeping its softmax partials: the max m, the sum l of exp(s - m) and the
+    unnormalized output o. A row combines its chunks with M = max m: out = sum(o e^(m-M)) / sum(l e^(m-M)).
+    Only a row's used blocks are read, and the gathered chunks are short enough to stay in cache.
+    A chunk with no visible key (padding, or wholly outside a sliding window) has m = -inf and weight 0.
+    `dot_dtype`: both dots' operands rounded to it, float32 accumulation (as in `attention`)."""
+    cast = (lambda x: x) if dot_dtype is None else (lambda x: x.astype(dot_dtype))
+    d = batch.decode_tables.shape[0]
+    rv, cb = batch.chunk_tables.shape
+    n, hq, hd = q.shape
+    hkv = k_pool.shape[1]
+    row = batch.chunk_row
+    k = gather_rows(k_pool, layer, batch.chunk_tables)                          # [Rv, Hkv, S, hd]
+    v = gather_rows(v_pool, layer, batch.chunk_tables)
+    q_rows = jnp.take(q[:d], row, axis=0, mode="fill", fill_value=0).reshape(rv, hkv, hq // hkv, hd)
+    q_pos = jnp.take(positions[:d], row, axis=0, mode="fill", fill_value=-1)    # padding sees no key
+    k_pos = batch.chunk_start[:, None] + jnp.arange(k.shape[2])                 # [Rv, S]
+    allowed = k_pos <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos > q_pos[:, None] - window
+    scores = jnp.einsum("rkgd,rksd->rkgs", cast(q_rows), cast(k), preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
+    m = scores.max(-1)                                                           # [Rv, Hkv, G]
+    seen = jnp.isfinite(m)
+    p = jnp.exp(scores - jnp.where(seen, m, 0)[..., None])
+    o = jnp.einsum("rkgs,rksd->rkgd", cast(p), cast(v), preferred_element_type=jnp.float32)
+    top = jax.ops.segment_max(m, row, num_segments=d + 1, indices_are_sorted=True)
+    w = jnp.where(seen, jnp.exp(m - top[row]), 0.0)
+    num = jax.ops.segment_sum(o * w[..., None], row, num_segments=d + 1, indices_are_sorted=True)[:d]
+    den = jax.ops.segment_sum(p.sum(-1) * w, row, num_segments=d + 1, indices_are_sorted=True)[:d]
+    return (num / den[..., None]).reshape(d, hq * hd).astype(q.dtype)
+
+
 def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
-                    decode_tables: jax.Array, prefill_tables: jax.Array, prefill_index: jax.Array, scale: float,
-                    window: int | None) -> jax.Array:
+                    batch, scale: float, window: int | None) -> jax.Array:
     """q[N, Hq, hd] (decode rows first, then packed prefill tokens) over the pool -> [N, Hq * hd].
 
-    prefill_index[P, T]: the flat token of each prefill row slot (N for padding).
+    `batch`: one micro-batch's PagedBatch (models/cache.py); prefill_index[P, T] the flat token of each
+    prefill row slot (N for padding). Every row reads its whole block table.
     """
-    return _paged(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window,
+    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
                   functools.partial(attention, heads_first=True))
 
 
-def _paged(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window, attend_fn):
-    d, p = decode_tables.shape[0], prefill_tables.shape[0]
+def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn, decode_fn=None):
+    d, p = batch.decode_tables.shape[0], batch.prefill_tables.shape[0]
     n, hq, hd = q.shape
     out = jnp.zeros((n, hq * hd), q.dtype)
-    if d:
-        k = gather_rows(k_pool, layer, decode_tables)
-        v = gather_rows(v_pool, layer, decode_tables)
+    if d and decode_fn is not None:
+        out = out.at[:d].set(decode_fn(q, k_pool, v_pool, layer, positions, batch, scale, window))
+    elif d:
+        k = gather_rows(k_pool, layer, batch.decode_tables)
+        v = gather_rows(v_pool, layer, batch.decode_tables)
         dec = attend_fn(q[:d, None], k, v, positions[:d, None], jnp.arange(k.shape[2]), scale, window)[:, 0]
         out = out.at[:d].set(dec)
     if p:
-        k = gather_rows(k_pool, layer, prefill_tables)
-        v = gather_rows(v_pool, layer, prefill_tables)
-        q_rows = jnp.take(q, prefill_index, axis=0, mode="fill", fill_value=0)          # [P, T, Hq, hd]
-        pos_rows = jnp.take(positions, prefill_index, axis=0, mode="fill", fill_value=0)
+        k = gather_rows(k_pool, layer, batch.prefill_tables)
+        v = gather_rows(v_pool, layer, batch.prefill_tables)
+        q_rows = jnp.take(q, batch.prefill_index, axis=0, mode="fill", fill_value=0)          # [P, T, Hq, hd]
+        pos_rows = jnp.take(positions, batch.prefill_index, axis=0, mode="fill", fill_value=0)
         pre = attend_fn(q_rows, k, v, pos_rows, jnp.arange(k.shape[2]), scale, window)  # [P, T, Hq * hd]
-        out = out.at[prefill_index].set(pre, mode="drop")
+        out = out.at[batch.prefill_index].set(pre, mode="drop")
     return out
 
 
@@ -129,27 +168,37 @@ def _sdpa(q, k, v, q_pos, k_pos, scale, window):
     return out.reshape(*q.shape[:2], -1)
 
 
-def paged_sdpa(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window):
+def paged_sdpa(q, k_pool, v_pool, layer, positions, batch, scale, window):
     """`paged_reference` with each group's attention in jax.nn.dot_product_attention."""
-    return _paged(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window,
-                  _sdpa)
+    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, _sdpa)
 
 
-def paged_bf16(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window):
-    """`paged_reference` with both dots' operands in bfloat16, float32 accumulation: on a CPU with AMX XLA's
+def paged_split(q, k_pool, v_pool, layer, positions, batch, scale, window):
+    """`paged_reference` with the decode rows split-K (`split_decode`): float32 throughout."""
+    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
+                  functools.partial(attention, heads_first=True), split_decode)
+
+
+def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window):
+    """`paged_split` with both dots' operands in bfloat16, float32 accumulation: on a CPU with AMX XLA's
     batched bf16 dots run ~3x its float32 ones (docs/performance.md)."""
-    return _paged(q, k_pool, v_pool, layer, positions, decode_tables, prefill_tables, prefill_index, scale, window,
-                  functools.partial(attention, heads_first=True, dot_dtype=jnp.bfloat16))
+    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
+                  functools.partial(attention, heads_first=True, dot_dtype=jnp.bfloat16),
+                  functools.partial(split_decode, dot_dtype=jnp.bfloat16))
 
 
-PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "jax_nn": paged_sdpa, "bf16": paged_bf16}
+PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "jax_nn": paged_sdpa, "split": paged_split,
+                                        "bf16": paged_bf16}
 AUTO = "auto"
 
 
 def auto_backend(platform: str, bf16_dots: bool, cpu_flags: frozenset[str]) -> str:
-    """What attention_backend="auto" runs: "bf16" on a CPU with AMX-BF16 when the weights' GEMMs already run bf16
-    dots (`bf16_dots`: the run is not float32-exact anyway), else "reference"."""
-    return "bf16" if platform == "cpu" and bf16_dots and "amx_bf16" in cpu_flags else "reference"
+    """What attention_backend="auto" runs: on a CPU, "bf16" with AMX-BF16 when the weights' GEMMs already run bf16
+    dots (`bf16_dots`: the run is not float32-exact anyway), else "split" (float32, the decode rows split-K);
+    "reference" on accelerators, where neither has been measured."""
+    if platform != "cpu":
+        return "reference"
+    return "bf16" if bf16_dots and "amx_bf16" in cpu_flags else "split"
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache=None, *, scale: float,
@@ -166,6 +215,5 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache
     for b in range(q.shape[0]):                    # B is 1 inside the pipeline (one micro-batch)
         k_pool = write_pool(k_pool, cache.layer, batch.slots[b], k[b])
         v_pool = write_pool(v_pool, cache.layer, batch.slots[b], v[b])
-        outs.append(impl(q[b], k_pool, v_pool, cache.layer, positions[b], batch.decode_tables[b],
-                         batch.prefill_tables[b], batch.prefill_index[b], scale, window))
+        outs.append(impl(q[b], k_pool, v_pool, cache.layer, positions[b], batch.row(b), scale, window))
     return jnp.stack(outs), cache.replace(k=k_pool, v=v_pool)

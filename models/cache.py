@@ -7,6 +7,9 @@ them as a `KVCache` and needs to know nothing else:
     PagedBatch, per micro-batch row b (leading axis B):
               slots[B, N]              flat slot (block * block_size + offset) of each token's k/v; -1: none
               decode_tables[B, D, Wd]  block table of each decode row (tokens 0 .. D-1, one each)
+              chunk_tables[B, Rv, Cb]  the decode rows split-K: each chunk's blocks (Cb * block_size positions)
+              chunk_row[B, Rv]         the decode row of each chunk (D: padding)
+              chunk_start[B, Rv]       the chunk's first position
               prefill_tables[B, P, Wp] block table of each prefill row
               prefill_index[B, P, T]   the flat tokens of each prefill row, in order (N: padding)
     LayerCache  one layer's view inside the scan: the pool, the layer index, the batch
@@ -50,12 +53,24 @@ def _pytree(data: tuple[str, ...], meta: tuple[str, ...] = ()):
     return wrap
 
 
-@_pytree(("slots", "decode_tables", "prefill_tables", "prefill_index"))
+_PAGED = ("slots", "decode_tables", "chunk_tables", "chunk_row", "chunk_start", "prefill_tables", "prefill_index")
+
+
+@_pytree(_PAGED)
 class PagedBatch:
     slots: jax.Array
     decode_tables: jax.Array
+    chunk_tables: jax.Array
+    chunk_row: jax.Array
+    chunk_start: jax.Array
     prefill_tables: jax.Array
     prefill_index: jax.Array
+
+    FIELDS = _PAGED
+
+    def row(self, b: int) -> PagedBatch:
+        """Micro-batch row b's arrays (no leading B axis): what a paged backend receives."""
+        return PagedBatch(*(getattr(self, k)[b] for k in self.FIELDS))
 
     def masked(self, valid) -> PagedBatch:
         """No writes when `valid` is False (a pipeline stage's idle step)."""

@@ -18,6 +18,7 @@ import pytest
 
 from tp_jax.models.attention import attend, write_pool
 from tp_jax.models.cache import LayerCache, PagedBatch
+from tp_jax.serving.batch import split_decode_rows
 
 BS, NB, HKV, G, HD = 4, 24, 2, 3, 8
 
@@ -38,9 +39,10 @@ def np_attention(q, k, v, q_pos, scale, window=None):
     return np.einsum("hts,shd->thd", p, vv).reshape(len(q), -1)
 
 
-def make_case(rng, rows, width, window):
+def make_case(rng, rows, width, window, chunk_blocks=2, chunk_padding=2):
     """rows: [(context_before, new_tokens)], decode rows (new = 1) first. A pool with random old
-    keys, each row's own blocks, and the flat step."""
+    keys, each row's own blocks, and the flat step; the decode rows split-K in chunks of `chunk_blocks`
+    blocks (as the engine's build_batch lays them out), then `chunk_padding` padding chunks."""
     k_pool = rng.standard_normal((1, HKV, NB, BS, HD)).astype(np.float32)       # head-major, like the engine's
     v_pool = rng.standard_normal((1, HKV, NB, BS, HD)).astype(np.float32)
     free = list(rng.permutation(NB))
@@ -51,7 +53,7 @@ def make_case(rng, rows, width, window):
     k_new = rng.standard_normal((n_tok, HKV, HD)).astype(np.float32)
     v_new = rng.standard_normal((n_tok, HKV, HD)).astype(np.float32)
     pos, slots = np.zeros(n_tok, np.int32), np.full(n_tok, -1, np.int32)
-    tables = np.zeros((len(rows), 8), np.int32)
+    tables = np.zeros((len(rows), 16), np.int32)
     index = np.full((p, width), n_tok, np.int32)
     spans, off = [], 0
     for i, (ctx, new) in enumerate(rows):
@@ -64,26 +66,31 @@ def make_case(rng, rows, width, window):
         slots[off:off + new] = np.asarray(blocks)[p_i // BS] * BS + p_i % BS
         spans.append((off, new, blocks, ctx))
         off += new
-    batch = PagedBatch(jnp.asarray(slots)[None], jnp.asarray(tables[:d])[None], jnp.asarray(tables[d:])[None],
-                       jnp.asarray(index)[None])
+    lengths = [c + 1 for c, n in rows[:d]]
+    rv = sum(-(-n // (BS * chunk_blocks)) for n in lengths) + chunk_padding
+    chunks = np.zeros((rv, chunk_blocks), np.int32), np.full(rv, d, np.int32), np.zeros(rv, np.int32)
+    split_decode_rows(lengths, tables[:d], BS, *chunks)
+    batch = PagedBatch(*(jnp.asarray(a)[None] for a in (slots, tables[:d], *chunks, tables[d:], index)))
     return k_pool, v_pool, q, k_new, v_new, pos, batch, spans
 
 
 TOLERANCE = {"reference": dict(atol=2e-5, rtol=1e-5), "jax_nn": dict(atol=2e-5, rtol=1e-5),
+             "split": dict(atol=2e-5, rtol=1e-5),
              "bf16": dict(atol=3e-2, rtol=0)}      # bf16: operands rounded to 8 bits (|out| <~ 2 here)
 
 
-@pytest.mark.parametrize("backend", ["reference", "jax_nn", "bf16"])
+@pytest.mark.parametrize("backend", ["reference", "jax_nn", "split", "bf16"])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("rows,width", [
-    ([(3, 1), (9, 1), (0, 1)], 16),                 # decodes only
-    ([(0, 7), (5, 11)], 16),                        # prefill chunks only (the second after 5 cached)
-    ([(12, 1), (0, 16), (2, 9), (4, 1)], 16),       # mixed, decode rows first
+@pytest.mark.parametrize("rows,width,chunk_blocks", [
+    ([(3, 1), (9, 1), (0, 1), (40, 1)], 16, 1),     # decodes only: up to 11 chunks a row, some outside a window
+    ([(3, 1), (9, 1), (0, 1), (40, 1)], 16, 3),     # ... a last chunk part-filled
+    ([(0, 7), (5, 11)], 16, 2),                     # prefill chunks only (the second after 5 cached)
+    ([(12, 1), (0, 16), (2, 9), (4, 1)], 16, 2),    # mixed, decode rows first
 ])
-def test_paged_equals_per_sequence_attention(rows, width, window, backend):
+def test_paged_equals_per_sequence_attention(rows, width, chunk_blocks, window, backend):
     rows = sorted(rows, key=lambda r: r[1] != 1)
     rng = np.random.default_rng(len(rows) * 7 + width)
-    k_pool, v_pool, q, k_new, v_new, pos, batch, spans = make_case(rng, rows, width, window)
+    k_pool, v_pool, q, k_new, v_new, pos, batch, spans = make_case(rng, rows, width, window, chunk_blocks)
     scale = HD ** -0.5
     cache = LayerCache(jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.int32(0), batch, backend)
     out, cache = jax.jit(lambda q, k, v, p, c: attend(q, k, v, p, c, scale=scale, window=window))(
@@ -123,8 +130,9 @@ def test_a_prefill_chunk_never_builds_a_whole_prompt_score_matrix():
     """Scores are [rows, heads, chunk, context]: a 64-token chunk over a 1024-token context."""
     nb, chunk, ctx = 72, 64, 1024
     k_pool = jnp.zeros((1, HKV, nb, BS, HD))
-    batch = PagedBatch(jnp.zeros((1, chunk), jnp.int32), jnp.zeros((1, 0, ctx // BS), jnp.int32),
-                       jnp.zeros((1, 1, ctx // BS), jnp.int32), jnp.arange(chunk, dtype=jnp.int32)[None, None])
+    z = lambda *shape: jnp.zeros((1, *shape), jnp.int32)
+    batch = PagedBatch(z(chunk), z(0, ctx // BS), z(0, 2), z(0), z(0), z(1, ctx // BS),
+                       jnp.arange(chunk, dtype=jnp.int32)[None, None])
     q = jnp.zeros((1, chunk, HKV * G, HD))
     kv = jnp.zeros((1, chunk, HKV, HD))
     f = jax.jit(lambda q, k, v, p, c: attend(q, k, v, p, c, scale=1.0)[0])
@@ -141,15 +149,20 @@ def test_bench_attention_measures_the_engines_layout_and_refuses_bad_widths():
     and an empty prompt are one-line usage errors."""
     run = lambda *a: subprocess.run([sys.executable, "scripts/bench_attention.py", *a], capture_output=True,
                                     text=True, timeout=300)
-    r = run("--prompts", "70", "5", "--chunks", "64", "0", "--repeat", "1", "--backends", "reference", "bf16")
+    r = run("--prompts", "70", "5", "--chunks", "64", "0", "--repeat", "1", "--backends", "reference", "bf16",
+            "--decode", "40", "3")
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads(r.stdout)["results"]
     rows = {x["chunk"]: (x["rows"], x["width"], x["context"]) for x in results}
     assert rows == {64: (3, 64, 128), "whole rows": (2, 128, 128)}
     assert all(x["ms"] > 0 and x["ms_bf16"] > 0 for x in results)
+    dec = json.loads(r.stdout)["decode"]                 # 41 + 4 positions: 2 + 1 chunks of 32 (3: a bucket)
+    assert (dec["rows"], dec["table_positions"], dec["chunks"], dec["chunk_positions"]) == (2, 128, 3, 32)
+    assert dec["ms"] > 0 and dec["ms_bf16"] > 0
     for args, msg in [(("--chunks", "48"), "--chunks must be powers of two"),
                       (("--prompts", "0"), "--prompts must be at least 1 token"),
-                      (("--backends", "flash"), "--backends ['flash'] not registered")]:
+                      (("--backends", "flash"), "--backends ['flash'] not registered"),
+                      (("--decode", "-1"), "--decode contexts must be >= 0")]:
         r = run(*args)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
 
@@ -157,10 +170,11 @@ def test_bench_attention_measures_the_engines_layout_and_refuses_bad_widths():
 def test_auto_backend_is_bf16_only_on_a_cpu_with_amx_for_bf16_weights():
     """attention_backend="auto": bf16 dots where the weights' GEMMs already run bf16 ones on a CPU with AMX-BF16
     (XLA:CPU's batched bf16 dots ~3x its float32 ones there; on the AMD EPYC measured, bf16 batched dots were far
-    slower); the float32 reference everywhere else, so float32 checkpoints stay exact."""
+    slower); float32 split-K decode on every other CPU, so float32 checkpoints stay float32; the reference on
+    accelerators."""
     from tp_jax.models.attention import PAGED_BACKENDS, auto_backend
     amx = frozenset({"avx512_bf16", "amx_bf16", "amx_int8"})
     assert auto_backend("cpu", True, amx) == "bf16" and "bf16" in PAGED_BACKENDS
-    assert auto_backend("cpu", False, amx) == "reference"
-    assert auto_backend("cpu", True, frozenset({"avx512_bf16", "avx512_vnni"})) == "reference"
+    assert auto_backend("cpu", False, amx) == "split" and "split" in PAGED_BACKENDS
+    assert auto_backend("cpu", True, frozenset({"avx512_bf16", "avx512_vnni"})) == "split"
     assert auto_backend("gpu", True, amx) == "reference"

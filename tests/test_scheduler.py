@@ -65,6 +65,9 @@ class Sim:
                 if slot >= 0:
                     self.pool[r, slot] = tok
         check_prefill_chunks(batch)
+        real = batch.chunk_row < d
+        assert (np.sort(batch.chunk_row, axis=1) == batch.chunk_row).all() and (~real[:, 1:] | real[:, :-1]).all(), \
+            "chunks in row order, padding (row D) last"
         self.batches.append((batch.shape, sum(r is not None for rows in batch.rows for r in rows[d:])))
         sampled = []
         for g, rows in enumerate(batch.rows):
@@ -77,6 +80,14 @@ class Sim:
                 table = batch.decode_tables[g, i] if i < d else batch.prefill_tables[g, i - d]
                 ctx = [self.pool[r, table[p // bs] * bs + p % bs] for p in range(last + 1)]
                 assert ctx == row.request.token_ids[:last + 1], "a row read another sequence's keys"
+                if i < d:                                       # and its split-K chunks read the same, in order
+                    mine = np.flatnonzero(batch.chunk_row[g] == i)
+                    span = batch.shape.chunk_blocks * bs
+                    assert batch.chunk_start[g, mine].tolist() == list(range(0, last + 1, span))
+                    ctx = [self.pool[r, batch.chunk_tables[g, v, (p - batch.chunk_start[g, v]) // bs] * bs + p % bs]
+                           for v in mine for p in range(batch.chunk_start[g, v], min(batch.chunk_start[g, v] + span,
+                                                                                       last + 1))]
+                    assert ctx == row.request.token_ids[:last + 1], "a decode chunk read another sequence's keys"
                 if row.samples:
                     sampled.append(row.request)
         self.sched.update(out)

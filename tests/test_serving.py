@@ -258,14 +258,18 @@ def test_a_step_plan_survives_the_trip_to_other_processes(llm):
         engine.abort(rid)
 
 
-def test_the_jax_nn_attention_backend_gives_the_same_tokens(path, compact_alone):
-    """Continuous batching on jax_nn == each request alone on the reference backend (the compact workload:
+@pytest.mark.parametrize("backend", ["jax_nn", "split"])
+def test_the_float32_attention_backends_give_the_same_tokens(path, compact_alone, backend):
+    """Continuous batching on jax_nn, and on split (the decode rows split-K, several chunks a row at these
+    contexts with block_size 4), == each request alone on the reference backend (the compact workload:
     joins, finishes, sampled rows, 2 blocks, in 4 compiled shapes where mixed_workload needs ~11)."""
-    jax_nn = LLM(path, tensor_parallel_size=2, attention_backend="jax_nn", progress=False)
-    assert run_workload(jax_nn.engine, compact_workload()) == compact_alone
-    with pytest.raises(ValueError, match=r"attention_backend='flash' is not registered; choose one of "
-                                         r"\['bf16', 'jax_nn', 'reference'\]"):
-        LLM(path, attention_backend="flash", progress=False)
+    llm = LLM(path, tensor_parallel_size=2, attention_backend=backend, progress=False,
+              **({"block_size": 4} if backend == "split" else {}))
+    assert run_workload(llm.engine, compact_workload()) == compact_alone
+    if backend == "jax_nn":
+        with pytest.raises(ValueError, match=r"attention_backend='flash' is not registered; choose one of "
+                                             r"\['bf16', 'jax_nn', 'reference', 'split'\]"):
+            LLM(path, attention_backend="flash", progress=False)
 
 
 def test_the_cpu_default_pool_never_refuses_to_start_on_a_busy_host(path, monkeypatch):

@@ -12,13 +12,19 @@ table (a chunk sees the keys its row wrote this step, at earlier positions, as t
 would). Chunks bound the padded queries and the [P, T, context] scores, which XLA:CPU
 materializes and whose size, once past its caches, sets a prefill step's time: 6 prompts of
 12-150 tokens as 8 rows of 256 took 3.1x the time of 12 chunks of 64 (scripts/bench_attention.py).
-The shape key (G, N, D, Wd, P, T, Wp) is bucketed, so a short list of programs is compiled
+Decode rows are also laid out split-K for attention (the decode side of flash-decoding): each row's
+context in chunks of DECODE_CHUNK positions, every chunk a virtual row with its own short block
+table (`chunk_tables` [Rv, Cb]), its decode row (`chunk_row`; D for padding) and its first
+position (`chunk_start`). Only a row's used blocks are read, so a step whose rows have 72 to 264
+positions no longer pays for all of them at 512: on 32 such rows the chunks attend in half the
+time of the full-width tables (scripts/bench_attention.py, docs/performance.md).
+The shape key (G, N, D, Wd, Rv, Cb, P, T, Wp) is bucketed, so a short list of programs is compiled
 once (`StepShape`): N (>= 16), D and P, which the dense layers or the attention pay for, to
 2^k or 3 * 2^k (at most a third padding); T (>= 16) and the block-table widths Wd, Wp (>= 8)
 to powers of two.
 
 Per group: ids, positions, slots [N] (slot = block * block_size + offset; -1 for padding),
-block tables [D, Wd] and [P, Wp], prefill_index [P, T] (N for padding), and `logits_index`
+block tables [D, Wd] and [P, Wp], the chunks' chunk_tables [Rv, Cb], chunk_row and chunk_start [Rv], prefill_index [P, T] (N for padding), and `logits_index`
 [D + P]: the token whose logits each sample row samples from. Sample row i < D is decode row
 i; a prefill row samples at its last chunk's row, D + (that chunk), from its last token, and
 the other chunks' sample rows are padding. `rows[g][i]` is the ScheduledRow behind sample row
@@ -37,6 +43,12 @@ MIN_TOKENS = 16               # steps with a prefill; a decode-only step pays fo
 MIN_PREFILL_WIDTH = 16
 MIN_BLOCKS = 8                # short contexts share one table width (fewer compiled shapes)
 PREFILL_CHUNK = 64            # the most queries of one prefill attention row (a power of two)
+DECODE_CHUNK = 32             # positions of a decode row's split-K chunk (rounded up to whole blocks)
+
+
+def chunk_blocks(block_size: int) -> int:
+    """Cb, the blocks of one decode chunk: DECODE_CHUNK positions, at least one block."""
+    return max(1, DECODE_CHUNK // block_size)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -60,6 +72,8 @@ class StepShape:
     tokens: int            # N
     decode_rows: int       # D
     decode_blocks: int     # Wd (0 when D = 0)
+    decode_chunks: int     # Rv, the split-K chunks of the decode rows (0 when D = 0)
+    chunk_blocks: int      # Cb (0 when D = 0)
     prefill_rows: int      # P
     prefill_width: int     # T (0 when P = 0)
     prefill_blocks: int    # Wp (0 when P = 0)
@@ -76,12 +90,15 @@ class StepBatch:
     positions: np.ndarray        # i32[G, N]
     slots: np.ndarray            # i32[G, N]
     decode_tables: np.ndarray    # i32[G, D, Wd]
+    chunk_tables: np.ndarray     # i32[G, Rv, Cb]
+    chunk_row: np.ndarray        # i32[G, Rv]: the decode row of each chunk (D: padding)
+    chunk_start: np.ndarray      # i32[G, Rv]: the chunk's first position
     prefill_tables: np.ndarray   # i32[G, P, Wp]
     prefill_index: np.ndarray    # i32[G, P, T]
     logits_index: np.ndarray     # i32[G, D + P]
     rows: list[list[ScheduledRow | None]]
 
-    ARRAYS = ("ids", "positions", "slots", "decode_tables", "prefill_tables", "prefill_index", "logits_index")
+    ARRAYS = ("ids", "positions", "slots", "decode_tables", "chunk_tables", "chunk_row", "chunk_start", "prefill_tables", "prefill_index", "logits_index")
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in self.ARRAYS}
@@ -94,17 +111,19 @@ class StepBatch:
     @classmethod
     def empty(cls, s: StepShape) -> StepBatch:
         """An all-padding step of shape `s` (writes nothing, samples nothing): for warm-up."""
-        g, n, d, p = s.groups, s.tokens, s.decode_rows, s.prefill_rows
+        g, n, d, p, rv = s.groups, s.tokens, s.decode_rows, s.prefill_rows, s.decode_chunks
         z = lambda *shape: np.zeros(shape, np.int32)
         return cls(s, z(g, n), z(g, n), np.full((g, n), -1, np.int32), z(g, d, s.decode_blocks),
+                   z(g, rv, s.chunk_blocks), np.full((g, rv), d, np.int32), z(g, rv),
                    z(g, p, s.prefill_blocks), np.full((g, p, s.prefill_width), n, np.int32), z(g, d + p),
                    [[None] * (d + p) for _ in range(g)])
 
 
 def packed_layout(s: StepShape) -> list[tuple[str, tuple[int, ...]]]:
     """(name, per-group shape) of each array in `StepBatch.packed`, in order."""
-    n, d, p = s.tokens, s.decode_rows, s.prefill_rows
+    n, d, p, rv = s.tokens, s.decode_rows, s.prefill_rows, s.decode_chunks
     return [("ids", (n,)), ("positions", (n,)), ("slots", (n,)), ("decode_tables", (d, s.decode_blocks)),
+            ("chunk_tables", (rv, s.chunk_blocks)), ("chunk_row", (rv,)), ("chunk_start", (rv,)),
             ("prefill_tables", (p, s.prefill_blocks)), ("prefill_index", (p, s.prefill_width)),
             ("logits_index", (d + p,))]
 
@@ -154,17 +173,24 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
     decodes = [row for _, (dec, _) in groups for row in dec]
     prefills = [row for _, (_, pre) in groups for row in pre]
     p, t = prefill_layout([[r.num_tokens for r in pre] for _, (_, pre) in groups], chunk)
+    cb = chunk_blocks(block_size)
+    span = cb * block_size                                                  # positions of a decode chunk
     s = StepShape(
         groups=len(groups),
         tokens=fine_bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups),
                            MIN_TOKENS if prefills else 1),
         decode_rows=fine_bucket(max(len(dec) for _, (dec, _) in groups)),
         decode_blocks=_blocks(decodes, block_size),
+        decode_chunks=fine_bucket(max(sum(-(-(r.start + 1) // span) for r in dec) for _, (dec, _) in groups)),
+        chunk_blocks=cb if decodes else 0,
         prefill_rows=p, prefill_width=t, prefill_blocks=_blocks(prefills, block_size))
     g_n, n, d, p = s.groups, s.tokens, s.decode_rows, s.prefill_rows
     ids, pos = np.zeros((g_n, n), np.int32), np.zeros((g_n, n), np.int32)
     slots = np.full((g_n, n), -1, np.int32)
     dec_tables = np.zeros((g_n, d, s.decode_blocks), np.int32)
+    chunk_tables = np.zeros((g_n, s.decode_chunks, s.chunk_blocks), np.int32)
+    chunk_row = np.full((g_n, s.decode_chunks), d, np.int32)
+    chunk_start = np.zeros((g_n, s.decode_chunks), np.int32)
     pre_tables = np.zeros((g_n, p, s.prefill_blocks), np.int32)
     pre_index = np.full((g_n, p, s.prefill_width), n, np.int32)
     logits_index = np.zeros((g_n, d + p), np.int32)
@@ -176,6 +202,8 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
                   dec_tables[g, i])
             logits_index[g, i] = i
             mine[i] = row
+        split_decode_rows([r.start + 1 for r in dec], dec_tables[g], block_size, chunk_tables[g], chunk_row[g],
+                          chunk_start[g])
         off, j = len(dec), 0
         for row in pre:
             first = j
@@ -189,7 +217,23 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
             logits_index[g, d + j - 1] = off - 1
             mine[d + j - 1] = row
         sample_rows.append(mine)
-    return StepBatch(s, ids, pos, slots, dec_tables, pre_tables, pre_index, logits_index, sample_rows)
+    return StepBatch(s, ids, pos, slots, dec_tables, chunk_tables, chunk_row, chunk_start, pre_tables, pre_index,
+                     logits_index, sample_rows)
+
+
+def split_decode_rows(lengths: list[int], tables: np.ndarray, block_size: int, chunk_tables: np.ndarray,
+                      chunk_row: np.ndarray, chunk_start: np.ndarray) -> None:
+    """Lay decode rows with lengths[i] positions (the new token's included) and block tables[i] out as
+    split-K chunks of Cb = chunk_tables.shape[1] blocks, in row order, into the three arrays (filled
+    with padding beforehand: chunk_row D, the chunk's row count)."""
+    cb = chunk_tables.shape[1]
+    v = 0
+    for i, n in enumerate(lengths):
+        used = tables[i, :-(-n // block_size)]
+        for b in range(0, len(used), cb):
+            chunk_tables[v, :len(used[b:b + cb])] = used[b:b + cb]
+            chunk_row[v], chunk_start[v] = i, b * block_size
+            v += 1
 
 
 def _fill(row: ScheduledRow, table: list[int], block_size: int, off: int, ids, pos, slots, table_out) -> None:

@@ -50,7 +50,7 @@ class ModelRunner:
         def forward(weights, packed, k, v, *prompt, shape, prompt_k):
             a = unpack(packed, shape)
             m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
-            paged = PagedBatch(a["slots"], a["decode_tables"], a["prefill_tables"], a["prefill_index"])
+            paged = PagedBatch(*(a[k] for k in PagedBatch.FIELDS))
             cache = KVCache(k, v, paged, attention_backend)
             h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches)
             last = jnp.take_along_axis(h, a["logits_index"][..., None], axis=1)     # [M, R, D]

@@ -22,12 +22,20 @@ prefill chunk never builds a [T, T] matrix over a whole prompt. The pool is head
 [L, Hkv, blocks, block_size, hd]: a row's gathered context is [Hkv, S, hd] per row, the
 layout the two dots batch over, so neither K nor V is transposed after the gather.
 
-`PAGED_BACKENDS` maps a name to an implementation with `paged_reference`'s signature; the
+Decode rows can instead attend split-K (`split_decode`, flash-decoding's shape): the batch also
+lays each decode row's context out as chunks of a few blocks, each chunk a virtual row with its
+own table, and each chunk's softmax partials (max, sum, unnormalized output) are combined per
+row; only the blocks a row uses are read, not its bucketed table width.
+
+`PAGED_BACKENDS` maps a name to an implementation with `paged_reference`'s signature
+(q, k_pool, v_pool, layer, positions, batch: one micro-batch's PagedBatch, scale, window); the
 reference (gather + masked softmax in jax.numpy) runs everywhere and is the oracle for any
-other: "bf16" rounds both dots' operands to bfloat16 (float32 accumulation; `auto_backend` picks
-it on a CPU with AMX when the weights run bf16 dots), "jax_nn" computes each group with `jax.nn.dot_product_attention` (XLA on CPU, cuDNN's
-fused kernel on a GPU where it supports the shape), and a Pallas kernel for an accelerator
-registers the same way (`LLM(attention_backend=...)`).
+other: "split" is the reference with split-K decode rows (float32: the split's own check, exact
+within float32 rounding), "bf16" is "split" with both dots' operands rounded to bfloat16 (float32
+accumulation; `auto_backend` picks it on a CPU with AMX when the weights run bf16 dots), "jax_nn" computes each
+group with `jax.nn.dot_product_attention` (XLA on CPU, cuDNN's fused kernel on a GPU where it
+supports the shape), and a Pallas kernel for an accelerator registers the same way
+(`LLM(attention_backend=...)`).
 """
 
 from __future__ import annotations
@@ -193,12 +201,10 @@ AUTO = "auto"
 
 
 def auto_backend(platform: str, bf16_dots: bool, cpu_flags: frozenset[str]) -> str:
-    """What attention_backend="auto" runs: on a CPU, "bf16" with AMX-BF16 when the weights' GEMMs already run bf16
-    dots (`bf16_dots`: the run is not float32-exact anyway), else "split" (float32, the decode rows split-K);
-    "reference" on accelerators, where neither has been measured."""
-    if platform != "cpu":
-        return "reference"
-    return "bf16" if bf16_dots and "amx_bf16" in cpu_flags else "split"
+    """What attention_backend="auto" runs: "bf16" on a CPU with AMX-BF16 when the weights' GEMMs already run bf16
+    dots (`bf16_dots`: the run is not float32-exact anyway), else "reference" ("split" in float32 measured slower
+    than it on that CPU: docs/performance.md)."""
+    return "bf16" if platform == "cpu" and bf16_dots and "amx_bf16" in cpu_flags else "reference"
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache=None, *, scale: float,

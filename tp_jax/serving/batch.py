@@ -15,9 +15,8 @@ materializes and whose size, once past its caches, sets a prefill step's time: 6
 Decode rows are also laid out split-K for attention (the decode side of flash-decoding): each row's
 context in chunks of DECODE_CHUNK positions, every chunk a virtual row with its own short block
 table (`chunk_tables` [Rv, Cb]), its decode row (`chunk_row`; D for padding) and its first
-position (`chunk_start`). Only a row's used blocks are read, so a step whose rows have 72 to 264
-positions no longer pays for all of them at 512: on 32 such rows the chunks attend in half the
-time of the full-width tables (scripts/bench_attention.py, docs/performance.md).
+position (`chunk_start`). A backend that attends split-K ("split", "bf16") reads only the blocks a
+row uses, not its bucketed table width (scripts/bench_attention.py --decode, docs/performance.md).
 The shape key (G, N, D, Wd, Rv, Cb, P, T, Wp) is bucketed, so a short list of programs is compiled
 once (`StepShape`): N (>= 16), D and P, which the dense layers or the attention pay for, to
 2^k or 3 * 2^k (at most a third padding); T (>= 16) and the block-table widths Wd, Wp (>= 8)

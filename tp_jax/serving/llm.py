@@ -67,9 +67,10 @@ class LLM:
     loading, on by default; False skips it); compile_cache (True: JAX's persistent compilation
     cache in ~/.cache/tp_jax/xla or $TP_JAX_COMPILE_CACHE; a directory; False: off; see
     tp_jax/serving/compile_cache.py); attention_backend ("auto": "bf16" (the paged attention's dots with
-    bfloat16 operands, float32 accumulation) on a CPU with AMX when the weights run bf16 dots, as "auto"'s
-    GGUF default does there, else "reference"; "reference", "bf16", or "jax_nn":
-    jax.nn.dot_product_attention, cuDNN on GPUs; `.attention_backend` says which runs); layer_loop (how a step runs the decoder layers:
+    bfloat16 operands, float32 accumulation, decode rows split-K) on a CPU with AMX when the weights run
+    bf16 dots, as "auto"'s GGUF default does there, else "reference"; "reference", "split" (float32, decode
+    rows split-K), "bf16", or "jax_nn": jax.nn.dot_product_attention, cuDNN on GPUs; `.attention_backend`
+    says which runs); layer_loop (how a step runs the decoder layers:
     "scan": a lax.scan over the stacked weights, which XLA:CPU copies out layer by layer; "switch": one
     array per layer in a layer loop, each GEMM a lax.switch over the layers, weights read in place at the
     scan's compile time; "unrolled": one array per layer, the layers unrolled, about 10x the compile time

@@ -150,6 +150,9 @@ def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn,
     n, hq, hd = q.shape
     out = jnp.zeros((n, hq * hd), q.dtype)
     if d and decode_fn is not None:
+        if batch.chunk_tables.shape[0] == 0:
+            raise ValueError("this attention backend attends decode rows split-K, and the batch has no decode chunks:"
+                             " build it with build_batch(..., split_k=True) (models/attention.py SPLIT_K_BACKENDS)")
         out = out.at[:d].set(decode_fn(q, k_pool, v_pool, layer, positions, batch, scale, window))
     elif d:
         k = gather_rows(k_pool, layer, batch.decode_tables)
@@ -197,6 +200,7 @@ def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window):
 
 PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "jax_nn": paged_sdpa, "split": paged_split,
                                         "bf16": paged_bf16}
+SPLIT_K_BACKENDS = frozenset({"split", "bf16"})     # they read the batch's decode chunks (build_batch(split_k=True))
 AUTO = "auto"
 
 

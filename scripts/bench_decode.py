@@ -96,7 +96,8 @@ def decode_step(llm, ids, batch, n):
     for _ in range(n // 2):
         engine.step()
     out = core.scheduler.schedule()                            # all decoding now: one token each
-    step = build_batch(out, [b.tables for b in core.scheduler.blocks], core.config.block_size, core.microbatches)
+    step = build_batch(out, [b.tables for b in core.scheduler.blocks], core.config.block_size, core.microbatches,
+                       split_k=core.split_k)
     step.slots[:] = -1
     for i in range(batch):
         engine.abort(f"bare{i}")

@@ -52,7 +52,8 @@ def main() -> None:
         llm.engine.add_request(f"d{i}", prompt[:8], SamplingParams(max_tokens=3, temperature=0.0))
     core.step()
     out = core.scheduler.schedule()
-    batch = build_batch(out, [b.tables for b in core.scheduler.blocks], core.config.block_size, core.microbatches)
+    batch = build_batch(out, [b.tables for b in core.scheduler.blocks], core.config.block_size, core.microbatches,
+                        split_k=core.split_k)
     n = 2000
     t = time.perf_counter()
     for _ in range(n):

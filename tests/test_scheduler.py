@@ -57,7 +57,7 @@ class Sim:
         for rows in out.rows:
             assert sum(r.num_tokens for r in rows) <= self.cfg.max_num_batched_tokens
             assert len(rows) <= self.cfg.max_num_seqs
-        batch = build_batch(out, [b.tables for b in self.sched.blocks], self.cfg.block_size, self.m)
+        batch = build_batch(out, [b.tables for b in self.sched.blocks], self.cfg.block_size, self.m, split_k=True)
         bs, d = self.cfg.block_size, batch.shape.decode_rows
         for g in range(batch.shape.groups):
             r = g // self.m

@@ -233,6 +233,20 @@ def test_warmup_compiles_the_listed_shapes_and_changes_nothing(path):
     assert len(out.outputs[0].token_ids) == 6 and core.runner.compiled_shapes >= set(shapes)
 
 
+def test_split_k_steps_of_short_contexts_are_the_warmed_up_shapes(path):
+    """A split-K backend's decode steps carry chunks (Rv >= D rows of MIN_BLOCKS blocks), so contexts up to
+    MIN_BLOCKS blocks run the shapes the warm-up compiled; the reference's steps carry none (Rv = Cb = 0)."""
+    llm = LLM(path, max_num_seqs=4, attention_backend="split", progress=False)
+    core = llm.engine.core
+    warm = set(core.warmup())
+    assert all(s.decode_chunks == 4 * s.decode_rows and s.chunk_blocks == 2 for s in warm if s.decode_rows)
+    llm.generate([[1, 2, 3]] * 3 + [[4] * 100], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    decode_steps = {s for s in core.runner.compiled_shapes if s.decode_rows and not s.prefill_rows}
+    assert decode_steps and decode_steps <= warm                      # contexts up to 120 positions: 8 blocks
+    ref = LLM(path, max_num_seqs=4, progress=False).engine.core
+    assert all(s.decode_chunks == s.chunk_blocks == 0 for s in ref.warmup_shapes())
+
+
 def test_a_step_plan_survives_the_trip_to_other_processes(llm):
     from tp_jax.serving.batch import build_batch
     from tp_jax.serving.plan import StepPlan
@@ -242,7 +256,7 @@ def test_a_step_plan_survives_the_trip_to_other_processes(llm):
     engine.add_request("plan-b", list(range(40)), SamplingParams(max_tokens=3, temperature=0.5, seed=4,
                                                                  prompt_logprobs=2))
     out = core.scheduler.schedule()
-    plan = core._plan(build_batch(out, [b.tables for b in core.scheduler.blocks], 16, core.microbatches))
+    plan = core._plan(build_batch(out, [b.tables for b in core.scheduler.blocks], 16, core.microbatches, split_k=True))
     back = StepPlan.from_bytes(plan.to_bytes())
     assert back.batch.shape == plan.batch.shape
     for name in plan.batch.ARRAYS:

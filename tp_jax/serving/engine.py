@@ -33,7 +33,7 @@ from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_
 from tp_jax.parallel.mesh import DP, PP
 from tp_jax.serving import prompt_logprobs, sampling, structured
 from tp_jax.serving.batch import (MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch, chunk_blocks,
-                                  fine_bucket, prefill_layout)
+                                  decode_chunk_count, fine_bucket, prefill_layout)
 from tp_jax.serving.kv_pool import plan_pool
 from tp_jax.serving.penalties import Penalties
 from tp_jax.serving.plan import StepPlan
@@ -122,6 +122,8 @@ class EngineCore:
         replicated = NamedSharding(mesh, jax.P())
         self.penalties = Penalties(config.max_num_seqs * dp, self.vocab_size, lambda x: to_global(x, replicated))
         self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend)
+        from tp_jax.models.attention import SPLIT_K_BACKENDS
+        self.split_k = config.attention_backend in SPLIT_K_BACKENDS      # the batch carries decode chunks
         self.requests: dict[str, Request] = {}
         self.rng = np.random.default_rng(config.seed)
         self.stats = {"steps": 0, "scheduled_tokens": 0, "generated_tokens": 0, "preemptions": 0, "max_running": 0,
@@ -186,7 +188,7 @@ class EngineCore:
         if out.empty:
             return []
         tables = [b.tables for b in self.scheduler.blocks]
-        batch = build_batch(out, tables, self.config.block_size, self.microbatches)
+        batch = build_batch(out, tables, self.config.block_size, self.microbatches, split_k=self.split_k)
         plan = self._plan(batch)
         if jax.process_count() > 1:
             plan.bitmask = self._bitmask(batch)          # the followers need it in the plan
@@ -337,8 +339,9 @@ class EngineCore:
         prefill chunk: the shapes most steps use. Others compile on first use (`compiled_shapes`)."""
         cfg, groups = self.config, len(self.scheduler.blocks) * self.microbatches
         rows = sorted({fine_bucket(n) for n in range(1, cfg.max_num_seqs + 1)})
-        cb = chunk_blocks(cfg.block_size)                        # short contexts: one split-K chunk a row
-        shapes = [StepShape(groups, d, d, MIN_BLOCKS, d, cb, 0, 0, 0) for d in rows]
+        cb = chunk_blocks(cfg.block_size) if self.split_k else 0
+        shapes = [StepShape(groups, d, d, MIN_BLOCKS, decode_chunk_count([[1] * d], d, cfg.block_size) if cb else 0,
+                            cb, 0, 0, 0) for d in rows]
         chunk = cfg.max_num_batched_tokens                       # one prompt chunk, laid out as build_batch does
         shapes.append(StepShape(groups, fine_bucket(chunk, MIN_TOKENS), 0, 0, 0, 0, *prefill_layout([[chunk]]),
                                 bucket(-(-chunk // cfg.block_size), MIN_BLOCKS)))

@@ -104,13 +104,12 @@ def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
     Each chunk (a virtual row: `chunk_tables`, `chunk_row`, `chunk_start`) attends its row's query to
     its Cb blocks alone, keeping its softmax partials: the max m, the sum l of exp(s - m) and the
     unnormalized output o. A row combines its chunks with M = max m: out = sum(o e^(m-M)) / sum(l e^(m-M)).
-    Only a row's used blocks are read, and the gathered chunks are short enough to stay in cache.
+    Only a row's used blocks are read, not its bucketed table width.
     A chunk with no visible key (padding, or wholly outside a sliding window) has m = -inf and weight 0.
     `dot_dtype`: both dots' operands rounded to it, float32 accumulation (as in `attention`)."""
     cast = (lambda x: x) if dot_dtype is None else (lambda x: x.astype(dot_dtype))
-    d = batch.decode_tables.shape[0]
-    rv, cb = batch.chunk_tables.shape
-    n, hq, hd = q.shape
+    d, rv = batch.decode_tables.shape[0], batch.chunk_tables.shape[0]
+    hq, hd = q.shape[1:]
     hkv = k_pool.shape[1]
     row = batch.chunk_row
     k = gather_rows(k_pool, layer, batch.chunk_tables)                          # [Rv, Hkv, S, hd]

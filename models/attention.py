@@ -25,7 +25,8 @@ layout the two dots batch over, so neither K nor V is transposed after the gathe
 Decode rows can instead attend split-K (`split_decode`, flash-decoding's shape): the batch also
 lays each decode row's context out as chunks of a few blocks, each chunk a virtual row with its
 own table, and each chunk's softmax partials (max, sum, unnormalized output) are combined per
-row; only the blocks a row uses are read, not its bucketed table width.
+row; only the blocks a row uses are read, not its bucketed table width. A batch without chunks
+(short tables: serving/batch.py builds none) takes the full-width path.
 
 `PAGED_BACKENDS` maps a name to an implementation with `paged_reference`'s signature
 (q, k_pool, v_pool, layer, positions, batch: one micro-batch's PagedBatch, scale, window); the
@@ -148,10 +149,7 @@ def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn,
     d, p = batch.decode_tables.shape[0], batch.prefill_tables.shape[0]
     n, hq, hd = q.shape
     out = jnp.zeros((n, hq * hd), q.dtype)
-    if d and decode_fn is not None:
-        if batch.chunk_tables.shape[0] == 0:
-            raise ValueError("this attention backend attends decode rows split-K, and the batch has no decode chunks:"
-                             " build it with build_batch(..., split_k=True) (models/attention.py SPLIT_K_BACKENDS)")
+    if d and decode_fn is not None and batch.chunk_tables.shape[0]:          # no chunks: short tables, full width
         out = out.at[:d].set(decode_fn(q, k_pool, v_pool, layer, positions, batch, scale, window))
     elif d:
         k = gather_rows(k_pool, layer, batch.decode_tables)
@@ -199,7 +197,7 @@ def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window):
 
 PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "jax_nn": paged_sdpa, "split": paged_split,
                                         "bf16": paged_bf16}
-SPLIT_K_BACKENDS = frozenset({"split", "bf16"})     # they read the batch's decode chunks (build_batch(split_k=True))
+SPLIT_K_BACKENDS = frozenset({"split", "bf16"})     # they read the decode chunks (build_batch(split_k=True)) if any
 AUTO = "auto"
 
 

@@ -37,7 +37,8 @@ def step_batch(rows: list[tuple[int, int]], chunk: int, block_size: int):
         blocks = -(-(start + k) // block_size)
         tables[req.request_id] = list(range(used, used + blocks))
         used += blocks
-    return build_batch(SchedulerOutput([scheduled], []), [tables], block_size, 1, chunk or WHOLE_ROWS, split_k=True), used
+    batch = build_batch(SchedulerOutput([scheduled], []), [tables], block_size, 1, chunk or WHOLE_ROWS, split_k=True)
+    return batch, used
 
 
 def time_backends(b, num_blocks, backends, heads, hd, bs, repeat, rng) -> dict[str, float]:

@@ -8,8 +8,9 @@ prompt + tokens / 2, writing nothing (`--prompt-tokens N`: prompts of N tokens i
 short prompt, for long contexts). The forward runs `--repeat` times under the profiler; each thunk
 (an HLO instruction of the compiled step) is put in a kind read from the compiled HLO: "dot" (a
 dot, or a fusion holding one: the GEMMs and the attention's batched dots), "gather" (the KV pool
-read), "scatter" (its write), "other" (a loop or conditional is counted through its body). Reported per forward: the wall time, the thunks' summed
-time (threads run some side by side), each kind's time and the `--top` thunks with their kind.
+read), "scatter" (its write), "other" (a loop or conditional is counted through its body).
+Reported per forward: the wall time, the thunks' summed time (threads run some side by side), each
+kind's time and the `--top` thunks with their kind.
 """
 
 import argparse
@@ -56,7 +57,8 @@ def instruction_kinds(hlo: str) -> dict[str, tuple[str, str]]:
         m = re.match(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][a-z\-]*)\(", line)
         if m and current is not None:
             calls = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
-            calls += [c.strip(" %") for cs in re.findall(r"branch_computations=\{([^}]*)\}", line) for c in cs.split(",")]
+            branches = re.findall(r"branch_computations=\{([^}]*)\}", line)
+            calls += [c.strip(" %") for cs in branches for c in cs.split(",")]
             op_name = re.search(r'op_name="([^"]*)"', line)
             what = f"{m.group(2).split('{')[0]} {'/'.join(op_name.group(1).split('/')[-2:])}" if op_name else m.group(2)
             current.append((m.group(1), m.group(3), calls, what))

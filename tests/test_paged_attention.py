@@ -42,7 +42,8 @@ def np_attention(q, k, v, q_pos, scale, window=None):
 def make_case(rng, rows, width, window, chunk_blocks=2, chunk_padding=2):
     """rows: [(context_before, new_tokens)], decode rows (new = 1) first. A pool with random old
     keys, each row's own blocks, and the flat step; the decode rows split-K in chunks of `chunk_blocks`
-    blocks (as the engine's build_batch lays them out), then `chunk_padding` padding chunks."""
+    blocks (as the engine's build_batch lays them out), then `chunk_padding` padding chunks (0: no chunks,
+    as build_batch leaves a step of short tables)."""
     k_pool = rng.standard_normal((1, HKV, NB, BS, HD)).astype(np.float32)       # head-major, like the engine's
     v_pool = rng.standard_normal((1, HKV, NB, BS, HD)).astype(np.float32)
     free = list(rng.permutation(NB))
@@ -67,9 +68,10 @@ def make_case(rng, rows, width, window, chunk_blocks=2, chunk_padding=2):
         spans.append((off, new, blocks, ctx))
         off += new
     lengths = [c + 1 for c, n in rows[:d]]
-    rv = sum(-(-n // (BS * chunk_blocks)) for n in lengths) + chunk_padding
+    rv = sum(-(-n // (BS * chunk_blocks)) for n in lengths) + chunk_padding if chunk_blocks else 0
     chunks = np.zeros((rv, chunk_blocks), np.int32), np.full(rv, d, np.int32), np.zeros(rv, np.int32)
-    split_decode_rows(lengths, tables[:d], BS, *chunks)
+    if rv:
+        split_decode_rows(lengths, tables[:d], BS, *chunks)
     batch = PagedBatch(*(jnp.asarray(a)[None] for a in (slots, tables[:d], *chunks, tables[d:], index)))
     return k_pool, v_pool, q, k_new, v_new, pos, batch, spans
 
@@ -84,6 +86,7 @@ TOLERANCE = {"reference": dict(atol=2e-5, rtol=1e-5), "jax_nn": dict(atol=2e-5, 
 @pytest.mark.parametrize("rows,width,chunk_blocks", [
     ([(3, 1), (9, 1), (0, 1), (40, 1)], 16, 1),     # decodes only: up to 11 chunks a row, some outside a window
     ([(3, 1), (9, 1), (0, 1), (40, 1)], 16, 3),     # ... a last chunk part-filled
+    ([(3, 1), (9, 1), (0, 1), (40, 1)], 16, 0),     # ... no chunks: every backend's full-width path
     ([(0, 7), (5, 11)], 16, 2),                     # prefill chunks only (the second after 5 cached)
     ([(12, 1), (0, 16), (2, 9), (4, 1)], 16, 2),    # mixed, decode rows first
 ])
@@ -150,14 +153,14 @@ def test_bench_attention_measures_the_engines_layout_and_refuses_bad_widths():
     run = lambda *a: subprocess.run([sys.executable, "scripts/bench_attention.py", *a], capture_output=True,
                                     text=True, timeout=300)
     r = run("--prompts", "70", "5", "--chunks", "64", "0", "--repeat", "1", "--backends", "reference", "bf16",
-            "--decode", "40", "3")
+            "--decode", "200", "3")
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads(r.stdout)["results"]
     rows = {x["chunk"]: (x["rows"], x["width"], x["context"]) for x in results}
     assert rows == {64: (3, 64, 128), "whole rows": (2, 128, 128)}
     assert all(x["ms"] > 0 and x["ms_bf16"] > 0 for x in results)
-    dec = json.loads(r.stdout)["decode"]      # 41 + 4 positions: 2 + 1 chunks of 32, at least 4 a row (8 blocks)
-    assert (dec["rows"], dec["table_positions"], dec["chunks"], dec["chunk_positions"]) == (2, 128, 8, 32)
+    dec = json.loads(r.stdout)["decode"]      # 201 + 4 positions (a 256-wide table): 7 + 1 chunks of 32
+    assert (dec["rows"], dec["table_positions"], dec["chunks"], dec["chunk_positions"]) == (2, 256, 8, 32)
     assert dec["ms"] > 0 and dec["ms_bf16"] > 0
     for args, msg in [(("--chunks", "48"), "--chunks must be powers of two"),
                       (("--prompts", "0"), "--prompts must be at least 1 token"),

@@ -80,7 +80,7 @@ class Sim:
                 table = batch.decode_tables[g, i] if i < d else batch.prefill_tables[g, i - d]
                 ctx = [self.pool[r, table[p // bs] * bs + p % bs] for p in range(last + 1)]
                 assert ctx == row.request.token_ids[:last + 1], "a row read another sequence's keys"
-                if i < d:                                       # and its split-K chunks read the same, in order
+                if i < d and batch.shape.decode_chunks:       # and its split-K chunks read the same, in order
                     mine = np.flatnonzero(batch.chunk_row[g] == i)
                     span = batch.shape.chunk_blocks * bs
                     assert batch.chunk_start[g, mine].tolist() == list(range(0, last + 1, span))

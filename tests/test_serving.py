@@ -234,16 +234,21 @@ def test_warmup_compiles_the_listed_shapes_and_changes_nothing(path):
 
 
 def test_split_k_steps_of_short_contexts_are_the_warmed_up_shapes(path):
-    """A split-K backend's decode steps carry chunks (Rv >= D rows of MIN_BLOCKS blocks), so contexts up to
-    MIN_BLOCKS blocks run the shapes the warm-up compiled; the reference's steps carry none (Rv = Cb = 0)."""
-    llm = LLM(path, max_num_seqs=4, attention_backend="split", progress=False)
+    """A split-K backend's decode steps carry chunks only past MIN_BLOCKS blocks (here 8 blocks of 4: 32
+    positions), so short contexts run the full-width shapes the warm-up compiled; longer ones carry chunks.
+    The reference's steps never do."""
+    llm = LLM(path, max_num_seqs=4, block_size=4, attention_backend="split", progress=False)
     core = llm.engine.core
     warm = set(core.warmup())
-    assert all(s.decode_chunks == 4 * s.decode_rows and s.chunk_blocks == 2 for s in warm if s.decode_rows)
-    llm.generate([[1, 2, 3]] * 3 + [[4] * 100], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-    decode_steps = {s for s in core.runner.compiled_shapes if s.decode_rows and not s.prefill_rows}
-    assert decode_steps and decode_steps <= warm                      # contexts up to 120 positions: 8 blocks
-    ref = LLM(path, max_num_seqs=4, progress=False).engine.core
+    assert all(s.decode_chunks == s.chunk_blocks == 0 for s in warm)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    llm.generate([[1, 2, 3]] * 4, greedy)                                # contexts up to 23 positions: 6 blocks
+    decode_steps = lambda: {s for s in core.runner.compiled_shapes if s.decode_rows and not s.prefill_rows}
+    assert decode_steps() and decode_steps() <= warm
+    llm.generate([[5] * 100], greedy)                                    # 101-120 positions: 26-30 blocks
+    long = decode_steps() - warm
+    assert long and all(s.decode_blocks == 32 and s.decode_chunks == 4 and s.chunk_blocks == 8 for s in long)
+    ref = LLM(path, max_num_seqs=4, block_size=4, progress=False).engine.core
     assert all(s.decode_chunks == s.chunk_blocks == 0 for s in ref.warmup_shapes())
 
 

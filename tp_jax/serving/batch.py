@@ -15,10 +15,11 @@ materializes and whose size, once past its caches, sets a prefill step's time: 6
 Decode rows are also laid out split-K for attention (the decode side of flash-decoding): each row's
 context in chunks of DECODE_CHUNK positions, every chunk a virtual row with its own short block
 table (`chunk_tables` [Rv, Cb]), its decode row (`chunk_row`; D for padding) and its first
-position (`chunk_start`), built when the attention backend reads them (`split_k`). A backend that
-attends split-K ("split", "bf16") reads only the blocks a row uses, not its bucketed table width
-(scripts/bench_attention.py --decode, docs/performance.md); Rv is at least MIN_BLOCKS blocks a row,
-so steps of short contexts keep one shape.
+position (`chunk_start`), built when the attention backend reads them (`split_k`) and the step's
+table width is past MIN_BLOCKS. A backend that attends split-K ("split", "bf16") then reads only the
+blocks a row uses, not its bucketed table width (scripts/bench_attention.py --decode,
+docs/performance.md); a step of short contexts has no chunks and runs the full-width path, which
+measured faster there, in the warmed-up shapes.
 The shape key (G, N, D, Wd, Rv, Cb, P, T, Wp) is bucketed, so a short list of programs is compiled
 once (`StepShape`): N (>= 16), D and P, which the dense layers or the attention pay for, to
 2^k or 3 * 2^k (at most a third padding); T (>= 16) and the block-table widths Wd, Wp (>= 8)
@@ -28,8 +29,8 @@ Per group: ids, positions, slots [N] (slot = block * block_size + offset; -1 for
 block tables [D, Wd] and [P, Wp], the chunks' chunk_tables [Rv, Cb], chunk_row and chunk_start
 [Rv], prefill_index [P, T] (N for padding), and `logits_index` [D + P]: the token whose logits
 each sample row samples from. Sample row i < D is decode row i; a prefill row samples at its last
-chunk's row, D + (that chunk), from its last token, and the other chunks' sample rows are padding. `rows[g][i]` is the ScheduledRow behind sample row
-i (None: padding).
+chunk's row, D + (that chunk), from its last token, and the other chunks' sample rows are padding.
+`rows[g][i]` is the ScheduledRow behind sample row i (None: padding).
 """
 
 from __future__ import annotations
@@ -52,14 +53,10 @@ def chunk_blocks(block_size: int) -> int:
     return max(1, DECODE_CHUNK // block_size)
 
 
-def decode_chunk_count(lengths: list[list[int]], rows: int, block_size: int) -> int:
-    """Rv for each group's decode row lengths (positions, the new token's included) and D = `rows`: the most
-    chunks of a group, at least D rows of MIN_BLOCKS blocks (short contexts share one shape, as the
-    table width Wd does, so the warm-up's decode shapes are the ones short steps use)."""
-    cb = chunk_blocks(block_size)
-    span = cb * block_size
-    most = max((sum(-(-n // span) for n in group) for group in lengths), default=0)
-    return fine_bucket(max(most, rows * max(1, MIN_BLOCKS // cb))) if rows else 0
+def decode_chunk_count(lengths: list[list[int]], block_size: int) -> int:
+    """Rv for each group's decode row lengths (positions, the new token's included): the most chunks of a group."""
+    span = chunk_blocks(block_size) * block_size
+    return fine_bucket(max((sum(-(-n // span) for n in group) for group in lengths), default=0))
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -109,8 +106,8 @@ class StepBatch:
     logits_index: np.ndarray     # i32[G, D + P]
     rows: list[list[ScheduledRow | None]]
 
-    ARRAYS = ("ids", "positions", "slots", "decode_tables", "chunk_tables", "chunk_row", "chunk_start", "prefill_tables",
-              "prefill_index", "logits_index")
+    ARRAYS = ("ids", "positions", "slots", "decode_tables", "chunk_tables", "chunk_row", "chunk_start",
+              "prefill_tables", "prefill_index", "logits_index")
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in self.ARRAYS}
@@ -182,21 +179,23 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
     """`tables[replica][request_id]` is each scheduled request's block table; `chunk` the most queries
     of a prefill attention row (a power of two; scripts/bench_attention.py compares them); `split_k`:
     also the decode rows' split-K chunks (for the backends that read them, models/attention.py
-    SPLIT_K_BACKENDS; without it Rv = Cb = 0 and the step's shape is what it was without chunks)."""
+    SPLIT_K_BACKENDS) when the decode table width is past MIN_BLOCKS; otherwise Rv = Cb = 0 and the step
+    is the one it was without chunks."""
     groups = [(r, g) for r, rows in enumerate(out.rows) for g in _split(rows, microbatches)]
     decodes = [row for _, (dec, _) in groups for row in dec]
     prefills = [row for _, (_, pre) in groups for row in pre]
     p, t = prefill_layout([[r.num_tokens for r in pre] for _, (_, pre) in groups], chunk)
-    d = fine_bucket(max(len(dec) for _, (dec, _) in groups))
+    wd = _blocks(decodes, block_size)
+    split_k = split_k and wd > MIN_BLOCKS                  # short tables: the full-width path, the warmed-up shapes
     s = StepShape(
         groups=len(groups),
         tokens=fine_bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups),
                            MIN_TOKENS if prefills else 1),
-        decode_rows=d,
-        decode_blocks=_blocks(decodes, block_size),
-        decode_chunks=decode_chunk_count([[r.start + 1 for r in dec] for _, (dec, _) in groups], d, block_size)
+        decode_rows=fine_bucket(max(len(dec) for _, (dec, _) in groups)),
+        decode_blocks=wd,
+        decode_chunks=decode_chunk_count([[r.start + 1 for r in dec] for _, (dec, _) in groups], block_size)
         if split_k else 0,
-        chunk_blocks=chunk_blocks(block_size) if split_k and decodes else 0,
+        chunk_blocks=chunk_blocks(block_size) if split_k else 0,
         prefill_rows=p, prefill_width=t, prefill_blocks=_blocks(prefills, block_size))
     g_n, n, d, p = s.groups, s.tokens, s.decode_rows, s.prefill_rows
     ids, pos = np.zeros((g_n, n), np.int32), np.zeros((g_n, n), np.int32)
@@ -239,8 +238,9 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
 def split_decode_rows(lengths: list[int], tables: np.ndarray, block_size: int, chunk_tables: np.ndarray,
                       chunk_row: np.ndarray, chunk_start: np.ndarray) -> None:
     """Lay decode rows with lengths[i] positions (the new token's included) and block tables[i] out as
-    split-K chunks of Cb = chunk_tables.shape[1] blocks, in row order, into the three arrays (filled
-    with padding beforehand: chunk_row D, the chunk's row count)."""
+    split-K chunks of Cb = chunk_tables.shape[1] blocks, in row order, into the three arrays. The caller
+    fills them with padding first (chunk_row = D, the step's decode row count): the chunks past the
+    last row's stay padding."""
     cb = chunk_tables.shape[1]
     v = 0
     for i, n in enumerate(lengths):

@@ -32,8 +32,8 @@ from jax.sharding import Mesh, NamedSharding
 from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_global
 from tp_jax.parallel.mesh import DP, PP
 from tp_jax.serving import prompt_logprobs, sampling, structured
-from tp_jax.serving.batch import (MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch, chunk_blocks,
-                                  decode_chunk_count, fine_bucket, prefill_layout)
+from tp_jax.serving.batch import (MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch, fine_bucket,
+                                  prefill_layout)
 from tp_jax.serving.kv_pool import plan_pool
 from tp_jax.serving.penalties import Penalties
 from tp_jax.serving.plan import StepPlan
@@ -339,9 +339,7 @@ class EngineCore:
         prefill chunk: the shapes most steps use. Others compile on first use (`compiled_shapes`)."""
         cfg, groups = self.config, len(self.scheduler.blocks) * self.microbatches
         rows = sorted({fine_bucket(n) for n in range(1, cfg.max_num_seqs + 1)})
-        cb = chunk_blocks(cfg.block_size) if self.split_k else 0
-        shapes = [StepShape(groups, d, d, MIN_BLOCKS, decode_chunk_count([[1] * d], d, cfg.block_size) if cb else 0,
-                            cb, 0, 0, 0) for d in rows]
+        shapes = [StepShape(groups, d, d, MIN_BLOCKS, 0, 0, 0, 0, 0) for d in rows]     # short tables: no chunks
         chunk = cfg.max_num_batched_tokens                       # one prompt chunk, laid out as build_batch does
         shapes.append(StepShape(groups, fine_bucket(chunk, MIN_TOKENS), 0, 0, 0, 0, *prefill_layout([[chunk]]),
                                 bucket(-(-chunk // cfg.block_size), MIN_BLOCKS)))

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from tp_jax.loaders.bind import bind
 from tp_jax.loaders.place import fill, load_state
-from tp_jax.loaders.quantize import plan_methods
+from tp_jax.loaders.quantize import plan_methods, weight_facts
 from tp_jax.models.config import ModelConfig
 from tp_jax.models.registry import architecture, check_instance
 from tp_jax.parallel.layers import LinearMethod, apply_methods
@@ -52,21 +52,28 @@ def for_mesh(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
 
 def load_from_source(cfg: ModelConfig, source, mesh: Mesh, dtype=jnp.float32, progress: bool = True, *,
                      check_weights: bool = True, quantization: str | None = None,
-                     layer_loop: str | None = None) -> nnx.Module:
+                     strict: bool = True) -> nnx.Module:
     """The model for `cfg` on `mesh`, each device's params read from `source` (see `load_state`).
 
-    `quantization`: None (float), "int8", "gguf" or "auto" (loaders/quantize.py); its
-    problems are raised before any tensor data is read. `layer_loop`: the loop the model will run,
-    which "auto" weighs for a bf16 checkpoint (`plan_methods`).
+    `quantization`: None (float) or a registered method name (loaders/quantize.py; "auto" is decided
+    by the engine's resolve step before this); its problems are raised before any tensor data is read
+    (`strict` False: such layers load as float, with a warning).
     """
     model = abstract_model(cfg, mesh, dtype)
     table = architecture(cfg.architecture).weights(cfg).for_names(source.keys())
-    methods = plan_methods(model, table, source, cfg.num_layers, quantization, layer_loop, mesh.devices.size)
+    methods = plan_methods(model, table, source, cfg.num_layers, quantization, strict)
     if methods:
         model = abstract_model(cfg, mesh, dtype, methods)
     fill(model, load_state(model, mesh, source, table, cfg.num_layers, jnp.dtype(dtype), progress,
                            check_weights=check_weights))
     return model
+
+
+def checkpoint_weight_facts(cfg: ModelConfig, source, mesh: Mesh) -> tuple[frozenset, bool]:
+    """`weight_facts` of `source` for `cfg` (headers only): the GGUF types of the weights, all bfloat16?"""
+    model = abstract_model(cfg, mesh)
+    table = architecture(cfg.architecture).weights(cfg).for_names(source.keys())
+    return weight_facts(model, table, source, cfg.num_layers)
 
 
 def param_bytes_per_device(model: nnx.Module, mesh: Mesh) -> int:
@@ -97,4 +104,4 @@ def tensor_split_dims(cfg: ModelConfig) -> dict[str, int | None]:
     return out
 
 
-__all__ = ["abstract_model", "load_from_source", "tensor_split_dims", "param_bytes_per_device"]
+__all__ = ["abstract_model", "load_from_source", "checkpoint_weight_facts", "tensor_split_dims", "param_bytes_per_device"]

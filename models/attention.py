@@ -22,21 +22,18 @@ prefill chunk never builds a [T, T] matrix over a whole prompt. The pool is head
 [L, Hkv, blocks, block_size, hd]: a row's gathered context is [Hkv, S, hd] per row, the
 layout the two dots batch over, so neither K nor V is transposed after the gather.
 
-Decode rows can instead attend split-K (`split_decode`, flash-decoding's shape): the batch also
+Decode rows can instead attend split-K (`split_decode`, flash-decoding's shape): the batch then
 lays each decode row's context out as chunks of a few blocks, each chunk a virtual row with its
 own table, and each chunk's softmax partials (max, sum, unnormalized output) are combined per
-row; only the blocks a row uses are read, not its bucketed table width. A batch without chunks
-(short tables: serving/batch.py builds none) takes the full-width path.
+row; only the blocks a row uses are read, not its bucketed table width. A row's chunks depend on
+its own length alone, so its numbers never depend on the other rows of its step.
 
 `PAGED_BACKENDS` maps a name to an implementation with `paged_reference`'s signature
 (q, k_pool, v_pool, layer, positions, batch: one micro-batch's PagedBatch, scale, window); the
-reference (gather + masked softmax in jax.numpy) runs everywhere and is the oracle for any
-other: "split" is the reference with split-K decode rows (float32: the split's own check, exact
-within float32 rounding), "bf16" is "split" with both dots' operands rounded to bfloat16 (float32
-accumulation; `auto_backend` picks it on a CPU with AMX when the weights run bf16 dots), "jax_nn" computes each
-group with `jax.nn.dot_product_attention` (XLA on CPU, cuDNN's fused kernel on a GPU where it
-supports the shape), and a Pallas kernel for an accelerator registers the same way
-(`LLM(attention_backend=...)`).
+reference (gather + masked softmax in jax.numpy, float32) runs everywhere and is the oracle for
+any other: "bf16" attends the decode rows split-K with both dots' operands rounded to bfloat16
+(float32 accumulation; the resolve step's rule picks it on a CPU with AMX when the weights run
+bf16 dots). A Pallas kernel for an accelerator registers the same way (`LLM(attention_backend=...)`).
 """
 
 from __future__ import annotations
@@ -46,6 +43,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from tp_jax.parallel.invariant import row_sum
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
@@ -134,15 +133,70 @@ def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
     return (num / den[..., None]).reshape(d, hq * hd).astype(q.dtype)
 
 
+KEY_CHUNK = 32          # keys per softmax partial in `chunked_attention` (a fixed size: see its docstring)
+
+
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float,
+                      window: int | None = None, dot_dtype=None) -> jax.Array:
+    """Rows attending their own context, batch-invariantly: q[R, T, Hq, hd] at positions q_pos[R, T] over
+    k/v[R, Hkv, S, hd] (the row's positions 0..S-1, heads-first as `gather_rows` gives them) -> [R, T, Hq * hd].
+
+    The keys are taken KEY_CHUNK at a time: each chunk's scores, max m, sum l of exp(s - m) and unnormalized
+    output o come from dots of one fixed shape, and the chunks are combined in position order (the online
+    softmax of flash attention: M = max(m0, m1); l = l0 e^(m0-M) + l1 e^(m1-M); o likewise). A chunk a query
+    cannot see (past its position, outside its window, the step's padding) has m = -inf and changes
+    nothing, bit for bit, so a query's numbers depend on its own row's keys alone, never on the width the
+    step's longest row gives S, nor on the other rows or queries of the step (XLA:CPU's batched dots of a
+    fixed per-batch shape sum alike whatever the batch: tests/test_paged_attention.py).
+    `dot_dtype`: both dots' operands rounded to it, float32 accumulation."""
+    cast = (lambda x: x) if dot_dtype is None else (lambda x: x.astype(dot_dtype))
+    r, t, hq, hd = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    if s % KEY_CHUNK:                                         # pad to whole chunks: the padding is never seen
+        pad = ((0, 0), (0, 0), (0, KEY_CHUNK - s % KEY_CHUNK), (0, 0))
+        k, v, s = jnp.pad(k, pad), jnp.pad(v, pad), s + KEY_CHUNK - s % KEY_CHUNK
+    c, g = s // KEY_CHUNK, hq // hkv
+    kc, vc = (x.reshape(r, hkv, c, KEY_CHUNK, hd) for x in (k, v))
+    qg = q.reshape(r, t, hkv, g, hd)
+    scores = jnp.einsum("rtkgd,rkcsd->rkcgts", cast(qg), cast(kc), preferred_element_type=jnp.float32) * scale
+    k_pos = jnp.arange(s).reshape(c, KEY_CHUNK)
+    allowed = k_pos[None, :, None, :] <= q_pos[:, None, :, None]                     # [R, C, T, chunk]
+    if window is not None:
+        allowed &= k_pos[None, :, None, :] > q_pos[:, None, :, None] - window
+    scores = jnp.where(allowed[:, None, :, None], scores, -jnp.inf)                  # [R, Hkv, C, G, T, chunk]
+    m = scores.max(-1)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0)[..., None])
+    o = jnp.einsum("rkcgts,rkcsd->rkcgtd", cast(p), cast(vc), preferred_element_type=jnp.float32)
+
+    def combine(acc, part):
+        (m0, l0, o0), (m1, l1, o1) = acc, part
+        top = jnp.maximum(m0, m1)
+        base = jnp.where(jnp.isfinite(top), top, 0)
+        a, b = jnp.exp(m0 - base), jnp.exp(m1 - base)
+        return (top, l0 * a + l1 * b, o0 * a[..., None] + o1 * b[..., None]), None
+
+    first = (jnp.full(m.shape[:2] + m.shape[3:], -jnp.inf), jnp.zeros(m.shape[:2] + m.shape[3:]),
+             jnp.zeros(o.shape[:2] + o.shape[3:]))
+    (_, l, o), _ = jax.lax.scan(combine, first, (jnp.moveaxis(m, 2, 0), jnp.moveaxis(row_sum(p), 2, 0),
+                                                 jnp.moveaxis(o, 2, 0)))
+    out = o / jnp.where(l > 0, l, 1)[..., None]                                     # [R, Hkv, G, T, hd]
+    return out.transpose(0, 3, 1, 2, 4).reshape(r, t, hq * hd).astype(q.dtype)
+
+
 def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
                     batch, scale: float, window: int | None) -> jax.Array:
-    """q[N, Hq, hd] (decode rows first, then packed prefill tokens) over the pool -> [N, Hq * hd].
+    """q[N, Hq, hd] (decode rows first, then packed prefill tokens) over the pool -> [N, Hq * hd], float32.
 
     `batch`: one micro-batch's PagedBatch (models/cache.py); prefill_index[P, T] the flat token of each
-    prefill row slot (N for padding). Every row reads its whole block table.
+    prefill row slot (N for padding). Every row reads its whole block table, attended in fixed-size key
+    chunks (`chunked_attention`): a row's numbers never depend on the rest of the step.
     """
-    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
-                  functools.partial(attention, heads_first=True))
+    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, _chunked)
+
+
+def _chunked(q, k, v, q_pos, k_pos, scale, window):
+    """`chunked_attention` with `attention`'s signature (k_pos: the pool rows' positions 0..S-1)."""
+    return chunked_attention(q, k, v, q_pos, scale, window)
 
 
 def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn, decode_fn=None):
@@ -166,46 +220,16 @@ def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn,
     return out
 
 
-def _sdpa(q, k, v, q_pos, k_pos, scale, window):
-    """`attention` through jax.nn.dot_product_attention (cuDNN's fused kernel where the GPU supports it)."""
-    allowed = k_pos[None, None, :] <= q_pos[:, :, None]                          # [R, T, S]
-    if window is not None:
-        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - window
-    k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)                                     # [R, S, Hkv, hd]
-    out = jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], scale=scale)
-    return out.reshape(*q.shape[:2], -1)
-
-
-def paged_sdpa(q, k_pool, v_pool, layer, positions, batch, scale, window):
-    """`paged_reference` with each group's attention in jax.nn.dot_product_attention."""
-    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, _sdpa)
-
-
-def paged_split(q, k_pool, v_pool, layer, positions, batch, scale, window):
-    """`paged_reference` with the decode rows split-K (`split_decode`): float32 throughout."""
-    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
-                  functools.partial(attention, heads_first=True), split_decode)
-
-
 def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window):
-    """`paged_split` with both dots' operands in bfloat16, float32 accumulation: on a CPU with AMX XLA's
-    batched bf16 dots run ~3x its float32 ones (docs/performance.md)."""
+    """`paged_reference` with the decode rows split-K (`split_decode`) and both dots' operands in bfloat16,
+    float32 accumulation: on a CPU with AMX XLA's batched bf16 dots run ~3x its float32 ones."""
     return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
                   functools.partial(attention, heads_first=True, dot_dtype=jnp.bfloat16),
                   functools.partial(split_decode, dot_dtype=jnp.bfloat16))
 
 
-PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "jax_nn": paged_sdpa, "split": paged_split,
-                                        "bf16": paged_bf16}
-SPLIT_K_BACKENDS = frozenset({"split", "bf16"})     # they read the decode chunks (build_batch(split_k=True)) if any
-AUTO = "auto"
-
-
-def auto_backend(platform: str, bf16_dots: bool, cpu_flags: frozenset[str]) -> str:
-    """What attention_backend="auto" runs: "bf16" on a CPU with AMX-BF16 when the weights' GEMMs already run bf16
-    dots (`bf16_dots`: the run is not float32-exact anyway), else "reference" ("split" in float32 measured slower
-    than it on that CPU: docs/performance.md)."""
-    return "bf16" if platform == "cpu" and bf16_dots and "amx_bf16" in cpu_flags else "reference"
+PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "bf16": paged_bf16}
+SPLIT_K_BACKENDS = frozenset({"bf16"})     # they read the decode chunks (build_batch(split_k=True))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache=None, *, scale: float,

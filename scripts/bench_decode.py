@@ -1,7 +1,7 @@
 """Decode throughput of tp_jax vs transformers on SmolLM2 (greedy, same weights, same prompt), one JSON line.
 
     python scripts/bench_decode.py [--batch 1 8] [--tokens 64] [--dp 1 --pp 1 --tp 1] [--simulate-devices N]
-                                   [--quantization none int8 auto] [--layers auto scan switch unrolled]
+                                   [--quantization none int8 auto] [--layers auto scan switch]
 
 Decode time is T(N tokens) - T(1 token), for both engines, so prefill and compile are out.
 Roofline: bytes of weights read per decode step / the machine's measured read bandwidth.
@@ -10,8 +10,8 @@ engine's batch, its paged pool), as many runs as the decode has steps, in rounds
 with the decode's, so `step_over_forward` is the engine's own overhead (scheduling, batch
 building, transfers, sampling). With --pp > 1 each batch row also reports the GPipe bubble
 (idle stage-steps / total) for the engine's micro-batch count.
-Every combination of `--quantization` (auto / none / bf16 / int8 / w8a8 / w8a8x2 / gguf / gguf_bf16 /
-gguf_int8) and `--layers` (`LLM(layer_loop=...)`: auto, scan, switch, unrolled) is loaded in turn and
+Every combination of `--quantization` (auto / none / bf16 / int8 / w8a8 / w8a8x2 / gguf / gguf_bf16)
+and `--layers` (`LLM(layer_loop=...)`: auto, scan, switch) is loaded in turn and
 measured in the same run, side by side ("results": one entry each, with the bytes of weights per device and
 the greedy tokens' agreement with the first entry).
 
@@ -41,7 +41,7 @@ def parse_args():
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
     ap.add_argument("--no-llama-cpp", action="store_true")
-    ap.add_argument("--layers", nargs="+", default=["auto"], choices=["auto", "scan", "switch", "unrolled"],
+    ap.add_argument("--layers", nargs="+", default=["auto"], choices=["auto", "scan", "switch"],
                     help="LLM(layer_loop=...), each measured in this run (default auto: switch on one CPU device)")
     ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("--quantization", nargs="+", default=["auto"], help="auto, none, int8, gguf (several: side "

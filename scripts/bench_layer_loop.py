@@ -8,7 +8,7 @@ times, four ways, in one process so the figures compare:
 
 * `scan`: weights stacked on a leading layer axis, one `lax.scan` (the `Stack` default). XLA:CPU copies
   each layer's slice of every weight (a dynamic-slice fusion) before its dot.
-* `unrolled`: one array per layer, a Python loop (`LLM(layer_loop="unrolled")`): weights read in place;
+* `unrolled`: one array per layer, a Python loop (the switch loop's slots without the loop): weights read in place;
   the program holds every layer's fusions and dots.
 * `switch_dot`: one array per layer, a `fori_loop` whose body holds one layer; each weight's dot is a
   `lax.switch` over the layers with one branch per layer, each branch a single dot on a whole weight

@@ -27,7 +27,7 @@ def parse_args(argv=None):
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--simulate-devices", type=int, default=8)
     ap.add_argument("--check", action="store_true", help="compare the first token with transformers")
-    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "switch", "unrolled"],
+    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "switch"],
                     help="LLM(layer_loop=...): see docs/performance.md")
     return ap.parse_args(argv)
 

@@ -47,7 +47,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--no-transformers", action="store_true")
-    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "switch", "unrolled"],
+    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "switch"],
                     help="LLM(layer_loop=...): see docs/performance.md")
     ap.add_argument("--quantization", default="auto", help="LLM(quantization=...): docs/quantization.md")
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])

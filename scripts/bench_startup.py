@@ -1,7 +1,7 @@
 """Start-up cost of `LLM()`: the first call in a fresh process against a second, one JSON line.
 
     python scripts/bench_startup.py [--model X.gguf|DIR] [--compile-cache] [--import-transformers]
-                                    [--layer-loop auto scan switch unrolled] [--quantization auto]
+                                    [--layer-loop auto scan switch] [--quantization auto]
 
 `import_s` is importing jax (and starting its CPU client) and tp_jax; `cold_s` the first
 `LLM(model)` in this process (it imports transformers for the config and tokenizer, which
@@ -14,7 +14,7 @@ config module, which transformers imports on first use (and torch with it, when 
 
 Then each `--layer-loop` (`LLM(layer_loop=...)`, default auto) is loaded again in the same process
 ("layer_loops": one entry each, side by side): `load_s` is that `LLM(model)` (the per-layer split of
-"switch" / "unrolled" included), `decode_compile_s` / `prefill_compile_s` the compile seconds (JAX's
+"switch" included), `decode_compile_s` / `prefill_compile_s` the compile seconds (JAX's
 own compile events) of the engine's smallest decode step shape and of its prefill-chunk shape, at
 `--quantization` (default auto: the embedded GGUF as w8a8x2_bf16 under the switched loop on one CPU device, w8a8x2
 under the scan).
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--compile-cache", action="store_true", help="use the persistent compile cache")
     ap.add_argument("--import-transformers", action="store_true",
                     help="import transformers' config and tokenizer modules before the first LLM()")
-    ap.add_argument("--layer-loop", nargs="+", default=["auto"], choices=["auto", "scan", "switch", "unrolled"],
+    ap.add_argument("--layer-loop", nargs="+", default=["auto"], choices=["auto", "scan", "switch"],
                     help="LLM(layer_loop=...): each loaded and its step shapes compiled, side by side")
     ap.add_argument("--quantization", default="auto", help="LLM(quantization=...) of the layer-loop loads")
     args = ap.parse_args()

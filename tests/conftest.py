@@ -73,5 +73,14 @@ def smollm2_converted(smollm2_path, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def smollm2_bf16(smollm2_path, tmp_path_factory):
+    """SmolLM2 as bf16 safetensors (the GGUF's weights rounded to bf16; HF's own SmolLM2 is stored in bf16)."""
+    from tp_jax.loaders.convert import convert_gguf
+    out = str(tmp_path_factory.mktemp("smollm2_bf16"))
+    convert_gguf(smollm2_path, out, "bfloat16")
+    return out
+
+
 # --- the OpenAI-compatible server as a subprocess (tests/server_process.py), shared by the server tests ----
 from tests.server_process import client, ref, tiny_path, tiny_server  # noqa: E402,F401

@@ -27,7 +27,7 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (3, 2, 1), (4, 1, 1), (8, 1, 1), (2, 1, 2)]    
 GREEDY_LAYOUTS = [(1, 1, 1), (3, 2, 1), (2, 1, 2)]                                # engine runs cost more
 INT8_VARIANTS = ["h9kv3", "tied", "bias"]        # padded heads + vocab 1001; one tied table; biases stay float
 PROMPTS = [[5, 17, 300, 42], [7, 7, 900], [1, 2, 3, 4, 5, 6]]
-CHOICES = "['auto', 'none', 'bf16', 'gguf', 'gguf_bf16', 'gguf_int8', 'int8', 'w8a8', 'w8a8x2', 'w8a8x2_bf16']"
+CHOICES = "['auto', 'none', 'bf16', 'gguf', 'gguf_bf16', 'int8', 'w8a8', 'w8a8x2', 'w8a8x2_bf16']"
 CLOSER = 50              # quantized vs its reference must be this much closer than vs the float model
 
 

@@ -112,15 +112,6 @@ def test_int8_same_logits_at_tp3(smollm2_converted, runs, text_ids):
     assert diff <= 1e-3
 
 
-@pytest.fixture(scope="module")
-def smollm2_bf16(smollm2_path, tmp_path_factory):
-    """SmolLM2 as bf16 safetensors (the GGUF's weights rounded to bf16; HF's own SmolLM2 is stored in bf16)."""
-    from tp_jax.loaders.convert import convert_gguf
-    out = str(tmp_path_factory.mktemp("smollm2_bf16"))
-    convert_gguf(smollm2_path, out, "bfloat16")
-    return out
-
-
 def test_bf16_checkpoint_default_against_float32_and_transformers(smollm2_bf16, text_ids):
     """`LLM(bf16 checkpoint)` with the defaults at tp = 1 (the switched layer loop): on CPU bf16 dots
     ("bf16"), perplexity within 2% of float32 dots on the same weights (quantization="none"), greedy

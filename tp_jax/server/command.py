@@ -1,9 +1,8 @@
 """What every `tp-jax` subcommand shares: the engine flags, the one `LLM` they build, the exits.
 
-* `add_engine_args(parser)`: the flags of `LLM(...)` (parallel sizes, devices, many hosts,
-  dtype, quantization, the engine's limits and KV pool, its seed), the same for `serve` and
-  `generate`; `llm_kwargs(args)` maps them onto `LLM`'s arguments and `build_llm(args, model)`
-  builds it.
+* `add_engine_args(parser)`: the process's flags (simulated devices, many hosts) and one flag for
+  each of EngineArgs' fields, the same for `serve` and `generate`; `llm_kwargs(args)` maps them onto
+  `LLM`'s arguments and `build_llm(args, model)` builds it.
 * `run_command(fn, args)`: exit codes: 0 done; 2 the user's own mistake, one `error: ...` line
   (`USER_ERRORS`); 3 a dead peer (tp_jax.multihost); Ctrl-C while loading, one line and 130.
   Anything else is a bug: its traceback, exit 1.
@@ -18,8 +17,7 @@ import sys
 from collections.abc import Callable
 
 from tp_jax.loaders.bind import MissingWeightError
-from tp_jax.parallel.layers.quantization import quantization_choices
-from tp_jax.parallel.layers.stack import LAYER_LOOPS
+from tp_jax.serving.engine_args import add_cli_arguments, from_cli
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -32,10 +30,8 @@ USER_ERRORS = (ValueError, FileNotFoundError, MissingWeightError)
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    """Flags shared by `serve` and `generate`: every `LLM(...)` argument but the model (`llm_kwargs`)."""
-    ap.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tp")
-    ap.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1, dest="pp")
-    ap.add_argument("--data-parallel-size", "--dp", type=int, default=1, dest="dp")
+    """Flags shared by `serve` and `generate`: the process's (simulated devices, many hosts), then one flag for
+    each command-line field of EngineArgs (tp_jax/serving/engine_args.py), which `engine_args(args)` reads."""
     ap.add_argument("--simulate-devices", type=int, default=0,
                     help="N simulated CPU devices (per process; 0: real devices)")
     ap.add_argument("--coordinator-address", default=None,
@@ -44,58 +40,20 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     "(or env JAX_NUM_PROCESSES)")
     ap.add_argument("--process-id", type=int, default=None, help="many hosts: this process, 0..N-1; 0 is the "
                     "driver (or env JAX_PROCESS_ID)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="context length (default min(2048, the model's))")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ap.add_argument("--quantization", "-q", default="auto", choices=quantization_choices(),
-                    help="how weights are held: auto (a quantized .gguf: w8a8x2_bf16 on CPU, its blocks elsewhere; "
-                         "else as stored), none (float), bf16, int8 (weight-only, per output channel), w8a8 (int8 "
-                         "weights and activations), w8a8x2 (int8 weights, activations as two int8 digits), w8a8x2_bf16 "
-                         "(int8 and bf16 weights: w8a8x2 up to 4 rows, 24 with AMX, bf16 above), gguf "
-                         "(keep GGUF blocks, float32 dots), gguf_bf16, gguf_int8; docs/quantization.md")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per dp replica")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step per dp replica "
-                    "(the prefill chunk)")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    ap.add_argument("--num-gpu-blocks", type=int, default=None, help="KV cache blocks per dp replica "
-                    "(default: from the memory budget)")
-    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache bytes per device "
-                    "(instead of a fraction of device memory)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="accelerators: the fraction of each "
-                    "device's memory in use once the KV pool is allocated")
-    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                    help="reuse the KV blocks of shared prompt prefixes")
-    ap.add_argument("--num-microbatches", type=int, default=None, help="pipeline micro-batches per dp replica "
-                    "(default: --pp)")
-    ap.add_argument("--seed", type=int, default=0, help="the engine's randomness for unseeded requests")
-    ap.add_argument("--attention-backend", default="auto",
-                    help="paged attention: auto (bf16 on a CPU with AMX when the weights run bf16 dots, else "
-                         "reference), reference, bf16 (bf16 dot operands, float32 accumulation), or jax_nn "
-                         "(jax.nn.dot_product_attention, cuDNN on GPUs); "
-                         "models/attention.py PAGED_BACKENDS")
-    ap.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
-                    help="how a step runs the decoder layers: scan (stacked weights), switch (per-layer weights "
-                         "in a loop, read in place), unrolled (~10x compile time per shape); auto: switch on "
-                         "one CPU device, scan elsewhere (docs/performance.md)")
-    ap.add_argument("--enable-expert-parallel", action="store_true",
-                    help="MoE models: whole experts on the dp x tp devices of each stage (default: each expert "
-                         "split over tp)")
-    ap.add_argument("--no-compile-cache", action="store_true",
-                    help="do not read or write JAX's compilation cache (default ~/.cache/tp_jax/xla, "
-                         "or env TP_JAX_COMPILE_CACHE)")
+    add_cli_arguments(ap)
+
+
+def engine_args(args: argparse.Namespace, model: str | None = None):
+    """The EngineArgs of a parsed command line (`model`: None for the embedded default)."""
+    from tp_jax.multihost.distributed import is_driver
+    return from_cli(args, model=model, progress=is_driver())
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
-    """`LLM(model, **llm_kwargs(args))`: the engine flags as `LLM`'s keyword arguments."""
-    from tp_jax.multihost.distributed import is_driver
-    return dict(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
-                dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-                num_microbatches=args.num_microbatches, seed=args.seed, progress=is_driver(),
-                compile_cache=not args.no_compile_cache, attention_backend=args.attention_backend,
-                layer_loop=args.layer_loop, quantization=args.quantization,
-                enable_expert_parallel=args.enable_expert_parallel)
+    """`LLM(**llm_kwargs(args))`: the command line's engine arguments as keywords (the model excluded)."""
+    import dataclasses
+    ea = engine_args(args)
+    return {f.name: getattr(ea, f.name) for f in dataclasses.fields(ea) if f.name != "model"}
 
 
 def build_llm(args: argparse.Namespace, model: str | None):

@@ -52,31 +52,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                     help="how tool_choice \"auto\" reads the model's tool calls: hermes (Qwen2.5 / Qwen3, "
                          "<tool_call> JSON), llama3_json (Llama 3.x JSON); without it \"auto\" is refused (400)")
-    ap.add_argument("--structured-outputs-config", type=structured_config, default={}, metavar="JSON",
-                    help='defaults for every constrained answer (vLLM\'s): {"disable_any_whitespace": true} for '
-                         'compact JSON, "disable_additional_properties", "backend": "guidance" (the only one)')
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help="accepted for vLLM's command lines; --tool-call-parser is what enables \"auto\"")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
     ap.set_defaults(run=run)
-
-
-def structured_config(text: str) -> dict:
-    """--structured-outputs-config JSON -> the StructuredOutputsParams option defaults (argparse type)."""
-    import json
-    try:
-        cfg = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}); e.g. '{{\"disable_any_whitespace\": true}}'") from None
-    known = {"disable_any_whitespace", "disable_additional_properties", "backend"}
-    if not isinstance(cfg, dict) or set(cfg) - known:
-        raise argparse.ArgumentTypeError(f"give a JSON object with keys among {sorted(known)}, got {text}")
-    if cfg.pop("backend", "guidance") not in ("guidance", "auto"):
-        raise argparse.ArgumentTypeError("backend: only \"guidance\" (llguidance) is available")
-    if not all(isinstance(v, bool) for v in cfg.values()):
-        raise argparse.ArgumentTypeError(f"the options take true or false, got {text}")
-    return cfg
 
 
 def default_model_name(model: str | None, model_path: str) -> str:
@@ -140,7 +120,7 @@ def serve(llm, sock: socket.socket, names: list[str], args) -> None:
     aengine = AsyncLLMEngine(llm.engine)
     app = create_app(aengine, tokenizer, model_names=names, max_model_len=llm.max_model_len, api_key=args.api_key,
                      model_root=llm.model_path, shutdown_timeout_s=ENGINE_STOP_S,
-                     tool_parser=args.tool_call_parser, structured_defaults=args.structured_outputs_config)
+                     tool_parser=args.tool_call_parser, structured_defaults=llm.structured_outputs_config)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_access_log,
                             timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + BACKSTOP_S, lifespan="on")
     host, port = sock.getsockname()[:2]

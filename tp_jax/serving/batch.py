@@ -15,11 +15,11 @@ materializes and whose size, once past its caches, sets a prefill step's time: 6
 Decode rows are also laid out split-K for attention (the decode side of flash-decoding): each row's
 context in chunks of DECODE_CHUNK positions, every chunk a virtual row with its own short block
 table (`chunk_tables` [Rv, Cb]), its decode row (`chunk_row`; D for padding) and its first
-position (`chunk_start`), built when the attention backend reads them (`split_k`) and the step's
-table width is past MIN_BLOCKS. A backend that attends split-K ("split", "bf16") then reads only the
-blocks a row uses, not its bucketed table width (scripts/bench_attention.py --decode,
-docs/performance.md); a step of short contexts has no chunks and runs the full-width path, which
-measured faster there, in the warmed-up shapes.
+position (`chunk_start`), built when the attention backend reads them (`split_k`, "bf16"), on
+every step: a row's chunks follow from its own length, so its numbers never depend on the step's
+other rows (a width gate on the step's longest row would). A backend that attends split-K then
+reads only the blocks a row uses, not its bucketed table width (scripts/bench_attention.py
+--decode, docs/performance.md).
 The shape key (G, N, D, Wd, Rv, Cb, P, T, Wp) is bucketed, so a short list of programs is compiled
 once (`StepShape`): N (>= 16), D and P, which the dense layers or the attention pay for, to
 2^k or 3 * 2^k (at most a third padding); T (>= 16) and the block-table widths Wd, Wp (>= 8)
@@ -179,14 +179,13 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
     """`tables[replica][request_id]` is each scheduled request's block table; `chunk` the most queries
     of a prefill attention row (a power of two; scripts/bench_attention.py compares them); `split_k`:
     also the decode rows' split-K chunks (for the backends that read them, models/attention.py
-    SPLIT_K_BACKENDS) when the decode table width is past MIN_BLOCKS; otherwise Rv = Cb = 0 and the step
-    is the one it was without chunks."""
+    SPLIT_K_BACKENDS), on every step with decode rows; otherwise Rv = Cb = 0."""
     groups = [(r, g) for r, rows in enumerate(out.rows) for g in _split(rows, microbatches)]
     decodes = [row for _, (dec, _) in groups for row in dec]
     prefills = [row for _, (_, pre) in groups for row in pre]
     p, t = prefill_layout([[r.num_tokens for r in pre] for _, (_, pre) in groups], chunk)
     wd = _blocks(decodes, block_size)
-    split_k = split_k and wd > MIN_BLOCKS                  # short tables: the full-width path, the warmed-up shapes
+    split_k = split_k and bool(decodes)
     s = StepShape(
         groups=len(groups),
         tokens=fine_bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups),

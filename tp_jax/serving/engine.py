@@ -32,8 +32,9 @@ from jax.sharding import Mesh, NamedSharding
 from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_global
 from tp_jax.parallel.mesh import DP, PP
 from tp_jax.serving import prompt_logprobs, sampling, structured
-from tp_jax.serving.batch import (MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch, fine_bucket,
-                                  prefill_layout)
+from tp_jax.serving.batch import (MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch, chunk_blocks,
+                                  fine_bucket, prefill_layout)
+from tp_jax.serving.engine_args import default
 from tp_jax.serving.kv_pool import plan_pool
 from tp_jax.serving.penalties import Penalties
 from tp_jax.serving.plan import StepPlan
@@ -49,20 +50,31 @@ _RELEASE = b"\x00"                    # a plan is an .npz (starts with b"PK"); t
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Serving limits (vLLM's names). Pool size: `num_gpu_blocks`, else `kv_cache_memory_bytes`
+    """The serving limits the engine core reads (vLLM's names; defaults and meanings: EngineArgs, built from
+    the resolved configuration by `from_setup`). Pool size: `num_gpu_blocks`, else `kv_cache_memory_bytes`
     (per device), else the default budget (tp_jax/serving/kv_pool.py)."""
     max_model_len: int
-    max_num_seqs: int = 256                       # running sequences per dp replica
-    max_num_batched_tokens: int = 512             # tokens per step per dp replica (prefill chunk size)
-    block_size: int = 16
+    max_num_seqs: int = default("max_num_seqs")
+    max_num_batched_tokens: int = default("max_num_batched_tokens")
+    block_size: int = default("block_size")
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = default("gpu_memory_utilization")
+    enable_prefix_caching: bool = default("enable_prefix_caching")
     num_microbatches: int | None = None           # pp micro-batches per replica (default pp)
     max_logprobs: int = 20
-    seed: int = 0
+    seed: int = default("seed")
     attention_backend: str = "reference"          # models/attention.py PAGED_BACKENDS
+
+    @classmethod
+    def from_setup(cls, setup) -> EngineConfig:
+        """The engine's part of a resolved configuration (tp_jax/serving/resolve.py EngineSetup)."""
+        a = setup.args
+        return cls(max_model_len=setup.max_model_len, max_num_seqs=a.max_num_seqs,
+                   max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                   num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+                   gpu_memory_utilization=a.gpu_memory_utilization, enable_prefix_caching=a.enable_prefix_caching,
+                   num_microbatches=setup.num_microbatches, seed=a.seed, attention_backend=setup.attention_backend)
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
@@ -339,7 +351,8 @@ class EngineCore:
         prefill chunk: the shapes most steps use. Others compile on first use (`compiled_shapes`)."""
         cfg, groups = self.config, len(self.scheduler.blocks) * self.microbatches
         rows = sorted({fine_bucket(n) for n in range(1, cfg.max_num_seqs + 1)})
-        shapes = [StepShape(groups, d, d, MIN_BLOCKS, 0, 0, 0, 0, 0) for d in rows]     # short tables: no chunks
+        cb = chunk_blocks(cfg.block_size) if self.split_k else 0          # split-K: one chunk a row (short rows)
+        shapes = [StepShape(groups, d, d, MIN_BLOCKS, d if cb else 0, cb, 0, 0, 0) for d in rows]
         chunk = cfg.max_num_batched_tokens                       # one prompt chunk, laid out as build_batch does
         shapes.append(StepShape(groups, fine_bucket(chunk, MIN_TOKENS), 0, 0, 0, 0, *prefill_layout([[chunk]]),
                                 bucket(-(-chunk // cfg.block_size), MIN_BLOCKS)))

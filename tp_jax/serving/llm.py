@@ -15,31 +15,28 @@ compiled once per shape bucket.
 from __future__ import annotations
 
 import dataclasses
-
+import logging
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tp_jax.models.attention import AUTO as AUTO_ATTENTION, auto_backend
 from tp_jax.multihost.distributed import agree, share_from_driver, to_global, to_host
-from tp_jax.parallel.layers.quantization import cpu_flags
 from tp_jax.parallel.mesh import DP, make_mesh
 from tp_jax.parallel.pipeline import choose_microbatches
-from tp_jax.serving.args import validate_llm_args
+from tp_jax.serving import engine_args
 from tp_jax.serving.engine import EngineConfig
+from tp_jax.serving.engine_args import EngineArgs
+from tp_jax.serving.resolve import CheckpointFacts, EngineSetup, Platform, resolve
 
-def resolve_dtype(dtype: str):
-    """"auto": float32 on CPU (the activations, norms and attention: XLA:CPU's bf16 ops are slow there, its bf16
-    dots too at M = 1 and inside the layer scan; the linear methods pick their own dot types), bfloat16 on
-    accelerators."""
-    from tp_jax.loaders.dtypes import FLOATS, BY_NAME
-    if dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    if dtype not in FLOATS:
-        raise ValueError(f"dtype={dtype!r} is not supported; choose 'auto' or one of {sorted(FLOATS)}")
-    return jnp.dtype(BY_NAME[dtype].numpy)
+log = logging.getLogger("tp_jax.config")
+
+
+def as_dtype(name: str):
+    """A resolved dtype name ("float32", "bfloat16", "float16") as a jnp dtype."""
+    from tp_jax.loaders.dtypes import BY_NAME
+    return jnp.dtype(BY_NAME[name].numpy)
 
 
 def build_mesh(tp: int, pp: int, dp: int, devices=None):
@@ -56,99 +53,54 @@ def build_mesh(tp: int, pp: int, dp: int, devices=None):
 class LLM:
     """Load a model onto a (dp, pp, tp) mesh and generate with continuous batching.
 
-    Args: model (HF directory, .gguf file, Orbax directory, or None for the embedded
-    SmolLM2); tensor_parallel_size, pipeline_parallel_size, data_parallel_size; dtype ("auto",
-    "float32", "bfloat16", "float16"); max_model_len (default min(2048, the model's limit));
-    max_num_seqs and max_num_batched_tokens (per dp replica per step); block_size,
-    num_gpu_blocks / kv_cache_memory_bytes / gpu_memory_utilization (the KV pool, see
-    tp_jax/serving/kv_pool.py); enable_prefix_caching; num_microbatches (pp); seed (the
-    engine's randomness for unseeded requests); devices; progress (a loading bar);
-    check_weights (refuse weights holding NaN / infinity: a cheap check per tensor while
-    loading, on by default; False skips it); compile_cache (True: JAX's persistent compilation
-    cache in ~/.cache/tp_jax/xla or $TP_JAX_COMPILE_CACHE; a directory; False: off; see
-    tp_jax/serving/compile_cache.py); attention_backend ("auto": "bf16" (the paged attention's dots with
-    bfloat16 operands, float32 accumulation, decode rows split-K) on a CPU with AMX when the weights run
-    bf16 dots, as "auto"'s GGUF default does there, else "reference"; "reference", "split" (float32, decode
-    rows split-K), "bf16", or "jax_nn": jax.nn.dot_product_attention, cuDNN on GPUs; `.attention_backend`
-    says which runs); layer_loop (how a step runs the decoder layers:
-    "scan": a lax.scan over the stacked weights, which XLA:CPU copies out layer by layer; "switch": one
-    array per layer in a layer loop, each GEMM a lax.switch over the layers, weights read in place at the
-    scan's compile time; "unrolled": one array per layer, the layers unrolled, about 10x the compile time
-    per step shape; "auto" (the default): "switch" on a one-device CPU mesh, where it measured 1.35-1.85x
-    the scan's decode tokens/s, and "scan" on several (simulated CPU devices sharing cores: the scan
-    measured faster) and on GPU / TPU, where conditionals in the loop have not been measured; `.layer_loop`
-    says which runs; see docs/performance.md);
-    quantization ("auto": a quantized GGUF file becomes "w8a8x2_bf16" on CPU (each weight int8 and bf16,
-    a GEMM of up to 4 rows, 24 on a CPU with AMX, with "w8a8x2"'s dot, larger ones with "bf16"'s) and keeps its Q8_0 /
-    Q4_0 / Q4_1 blocks elsewhere; a checkpoint stored in bfloat16 becomes "bf16" on one CPU device when
-    the layer loop is "switch" or "unrolled" ("switch" is the default there) and dtype is "auto", float32
-    under the scan and on several devices; other checkpoints load as stored; "int8": weight-only int8 per
-    output channel, quantized per device at load; "w8a8": int8 weights and per-token int8
-    activations; "w8a8x2": int8 weights, activations as two int8 digits (~15 bits); "bf16":
-    bf16 weights, bf16 x bf16 -> float32 dots; "gguf": keep GGUF blocks, float32 dots, an error
-    if a type cannot be kept; "gguf_bf16" / "gguf_int8": the same blocks, bf16 / per-block int8
-    dots; None or "none": every weight in float; see docs/quantization.md). `.quantization`
-    says how the loaded weights are held. enable_expert_parallel (MoE models, vLLM's flag): whole
-    experts on the dp x tp devices of each pipeline stage instead of every expert split over tp
-    (no effect on a dense model, as in vLLM; see tp_jax/parallel/layers/moe.py).
+    `LLM(model=None, **engine_arguments)`: the arguments are `EngineArgs`' fields (tp_jax/serving/engine_args.py;
+    the table in docs/serving.md), checked before any work. What each "auto" became, and why, is `llm.setup`
+    (an EngineSetup, tp_jax/serving/resolve.py), logged once at start-up.
     """
 
-    def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 data_parallel_size: int = 1, dtype: str = "auto", max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 512, block_size: int = 16,
-                 num_gpu_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 num_microbatches: int | None = None, seed: int = 0, devices=None, progress: bool = True,
-                 check_weights: bool = True, compile_cache: bool | str = True,
-                 attention_backend: str = "auto", layer_loop: str = "auto",
-                 quantization: str | None = "auto", enable_expert_parallel: bool = False):
-        validate_llm_args(**locals())                  # types and ranges, before any work (EngineConfig: the rest)
+    def __init__(self, model: str | None = None, **kwargs):
+        args = EngineArgs.from_kwargs(model=model, **kwargs)            # types and ranges, before any work
         from tp_jax.serving import compile_cache as cache
-        self.compile_cache_dir = cache.enable(compile_cache)
+        self.compile_cache_dir = cache.enable(args.compile_cache)
         from tp_jax.loaders.default import default_model_path
-        from tp_jax.loaders.model import abstract_model, load_from_source
-        from tp_jax.loaders.sources import open_checkpoint
-        self.model_path = default_model_path() if model is None else str(model)
-        agree("the LLM arguments", dict(tp=tensor_parallel_size, pp=pipeline_parallel_size, dp=data_parallel_size,
-                                        dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
-                                        quantization=quantization))
-        self.mesh = build_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, devices)
-        self.dtype = resolve_dtype(dtype)
-        self.num_microbatches = pipeline_parallel_size if num_microbatches is None else num_microbatches
-        choose_microbatches(1, self.num_microbatches)              # bad values fail before the load
+        from tp_jax.loaders.model import checkpoint_weight_facts, load_from_source
+        from tp_jax.loaders.sources import is_gguf, open_checkpoint
+        self.model_path = default_model_path() if args.model is None else args.model
+        args = dataclasses.replace(args, model=self.model_path)
+        agree("the LLM arguments", {k: repr(v) for k, v in args.non_defaults().items()})
+        self.mesh = build_mesh(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
+                               args.devices)
         checkpoint = open_checkpoint(self.model_path)
         source, self.config = checkpoint.source, checkpoint.config
-        if enable_expert_parallel and hasattr(self.config, "enable_expert_parallel"):
+        if args.enable_expert_parallel and hasattr(self.config, "enable_expert_parallel"):
             self.config = dataclasses.replace(self.config, enable_expert_parallel=True)
-        limit = self.config.max_position_embeddings
-        self.max_model_len = min(limit, 2048) if max_model_len is None else int(max_model_len)
-        if not 1 <= self.max_model_len <= limit:
-            raise ValueError(f"max_model_len={max_model_len} must be in [1, {limit}] "
-                             f"(the model's max_position_embeddings)")
-        self.engine_config = EngineConfig(
-            max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size, num_gpu_blocks=num_gpu_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            num_microbatches=self.num_microbatches, seed=seed,
-            attention_backend="reference" if attention_backend == AUTO_ATTENTION else attention_backend)
-        if num_gpu_blocks is not None or kv_cache_memory_bytes is not None:      # a pool too small: fail now
+        types, stored_bf16 = checkpoint_weight_facts(self.config, source, self.mesh)
+        fmt = "gguf" if is_gguf(self.model_path) else type(source).__name__.removesuffix("Source").lower()
+        facts = CheckpointFacts(fmt, self.config.architecture, types, stored_bf16)
+        self.setup: EngineSetup = resolve(args, Platform.of(self.mesh), facts, self.config.max_position_embeddings)
+        setup = self.setup
+        log.info(setup.summary())
+        self.dtype = as_dtype(setup.dtype)
+        self.max_model_len, self.num_microbatches = setup.max_model_len, setup.num_microbatches
+        choose_microbatches(1, self.num_microbatches)              # bad values fail before the load
+        self.engine_config = EngineConfig.from_setup(setup)
+        if args.num_gpu_blocks is not None or args.kv_cache_memory_bytes is not None:     # a pool too small: fail now
+            from tp_jax.loaders.model import abstract_model
             from tp_jax.serving.kv_pool import plan_pool
             plan_pool(abstract_model(self.config, self.mesh, self.dtype).kv_layout(), self.mesh,
-                      block_size=block_size, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                      num_gpu_blocks=num_gpu_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes)
-        from tp_jax.parallel.layers.stack import layer_loop_for, use_layer_loop
-        self.layer_loop = layer_loop_for(layer_loop, self.mesh.devices.flat[0].platform, self.mesh.devices.size)
-        self.model = load_from_source(self.config, source, self.mesh, self.dtype, progress,
-                                      check_weights=check_weights, quantization=quantization,
-                                      layer_loop=self.layer_loop if dtype == "auto" else None)
+                      block_size=args.block_size, max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
+                      num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+        self.layer_loop = setup.layer_loop
+        self.model = load_from_source(self.config, source, self.mesh, self.dtype, args.progress,
+                                      check_weights=args.check_weights, quantization=setup.quantization,
+                                      strict=not setup.settings["quantization"].automatic)
         from tp_jax.loaders.quantize import describe_methods
+        from tp_jax.parallel.layers.stack import use_layer_loop
         self.quantization = describe_methods(self.model)
-        if attention_backend == AUTO_ATTENTION:                 # "bf16" dots where the GEMMs already run bf16 ones
-            self.engine_config = dataclasses.replace(self.engine_config, attention_backend=auto_backend(
-                self.mesh.devices.flat[0].platform, "bf16" in self.quantization, cpu_flags()))
-        self.attention_backend = self.engine_config.attention_backend
+        self.attention_backend = setup.attention_backend
         use_layer_loop(self.model, self.mesh, self.layer_loop)
-        self.seed, self.max_num_seqs = seed, max_num_seqs
+        self.seed, self.max_num_seqs = args.seed, args.max_num_seqs
+        self.structured_outputs_config = {k: v for k, v in args.structured_outputs_config.items() if k != "backend"}
         self._forward = None
         self._engine = None
         self._tokenizer = None
@@ -195,7 +147,7 @@ class LLM:
             from tp_jax.serving.engine import EngineCore
             from tp_jax.serving.llm_engine import LLMEngine
             core = EngineCore(self.model, self.mesh, self.engine_config, self.eos_token_ids())
-            self._engine = LLMEngine(core, self._tokenizer_or_none())
+            self._engine = LLMEngine(core, self._tokenizer_or_none(), self.structured_outputs_config)
         return self._engine
 
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -275,3 +227,7 @@ def generation_config_eos(model_path: str) -> set[int]:
         raise ValueError(f"cannot read {path}: {e}") from None
     eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
     return {int(e) for e in eos}
+
+
+LLM.__init__.__signature__ = engine_args.signature()
+LLM.__doc__ += "\n    Arguments (EngineArgs):\n" + engine_args.docstring()

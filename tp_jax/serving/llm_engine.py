@@ -39,8 +39,11 @@ class PreparedRequest:
 
 
 class LLMEngine:
-    def __init__(self, core: EngineCore, tokenizer=None):
+    def __init__(self, core: EngineCore, tokenizer=None, structured_defaults: dict | None = None):
+        """`structured_defaults`: StructuredOutputsParams options (EngineArgs.structured_outputs_config)
+        switched on in every constrained request that left them off."""
         self.core, self.tokenizer = core, tokenizer
+        self.structured_defaults = {k: True for k, v in (structured_defaults or {}).items() if v}
         self.processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
         self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer, core.vocab_size, core.eos)
@@ -52,6 +55,9 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        so = params.structured_outputs
+        if so is not None and any(not getattr(so, k) for k in self.structured_defaults):
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(so, **self.structured_defaults))
         text, ids = parse_prompt(prompt, self.tokenizer, where)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{where}: stop strings need a tokenizer, and this model has none; use stop_token_ids")

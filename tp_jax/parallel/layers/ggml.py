@@ -27,10 +27,7 @@ The GEMM, by `dot` (one tile of output rows at a time, `map_tiles`):
 * "float32": each tile dequantized to float32, bit for bit the `gguf` package's weights,
   and multiplied in float32 (the exact reference path);
 * "bf16": each tile dequantized to bf16 (Q4: the exact 4-bit value times its f16 scale,
-  rounded once to bf16), x rounded to bf16, accumulated in float32;
-* "int8": ggml's q4_1 x q8_1: x quantized per 32-element block (x ~ q_x s_x, like ggml's
-  Q8_1 activations), an int8 x int8 -> int32 dot per block, y = sum_b d_b s_x,b (q_x . q)_b
-  (+ m_b sum_b x for Q4_1; Q4_0's q - 8 is an int8 in [-8, 7]).
+  rounded once to bf16), x rounded to bf16, accumulated in float32.
 
 The 4-bit dots never interleave the nibbles: byte j of a block holds elements j and j + 16,
 so the low nibbles multiply x's first 16 elements of each block and the high ones its last
@@ -78,7 +75,7 @@ for _name, _fmt in FORMATS.items():           # the gguf package is the authorit
     assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[_name]] == (
         BLOCK, _fmt.values_at + _fmt.values_per_block), _name
 KEPT = tuple(FORMATS)
-DOTS = ("float32", "bf16", "int8")
+DOTS = ("float32", "bf16")
 
 
 def type_size(qtype: str) -> int:
@@ -87,8 +84,8 @@ def type_size(qtype: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GGUFBlocks(LinearMethod):
-    """GGUF blocks of `qtype` ("Q8_0", "Q4_0", "Q4_1") kept as they are on disk, multiplied by `dot` ("float32",
-    "bf16", "int8"; module docstring)."""
+    """GGUF blocks of `qtype` ("Q8_0", "Q4_0", "Q4_1") kept as they are on disk, multiplied by `dot` ("float32"
+    or "bf16"; module docstring)."""
     qtype: str
     dot: str = "float32"
     name: ClassVar[str] = "gguf"
@@ -154,8 +151,7 @@ class GGUFBlocks(LinearMethod):
         arrays = self._arrays(layer)
         out, inp = arrays[0].shape[0], x.shape[-1]
         xs, m = pad_rows(x.reshape(-1, inp).astype(jnp.float32))           # [M', in]
-        dot = bf16_block_dot if self.dot == "bf16" else int8_block_dot
-        y = dot(self.qtype, xs, arrays, num_tiles(out, inp * 2))[:m]
+        y = bf16_block_dot(self.qtype, xs, arrays, num_tiles(out, inp * 2))[:m]
         return y.reshape(*x.shape[:-1], out)
 
     def embed(self, layer, ids):
@@ -192,22 +188,6 @@ def bf16_block_dot(qtype: str, xs: jax.Array, arrays, n: int) -> jax.Array:
             y = y + jnp.einsum("md,fd->mf", xp, w.astype(jnp.bfloat16).reshape(w.shape[0], -1),
                                preferred_element_type=jnp.float32)
         return y
-
-    return map_tiles(tile, arrays, n)
-
-
-def int8_block_dot(qtype: str, xs: jax.Array, arrays, n: int) -> jax.Array:
-    """[M, in] x the blocks -> [M, out] float32: x quantized per block, an int8 dot per block (module docstring)."""
-    m, inp = xs.shape
-    xb = xs.reshape(m, inp // BLOCK, BLOCK)
-    qx, sx = quantize_rows(xb)                                            # [M, nb, 32] int8, [M, nb, 1]
-    xparts, sx, xsum = split_x(qtype, qx), sx[..., 0], xb.sum(-1)         # xsum [M, nb]: Q4_1's min term
-
-    def tile(values, scale, minimum=None):                                # -> [M, f]
-        acc = sum(jnp.einsum("mbk,fbk->mfb", xp, q, preferred_element_type=jnp.int32)
-                  for xp, q in zip(xparts, halves(qtype, values, xb.shape[1])))
-        y = jnp.einsum("mfb,mb,fb->mf", acc.astype(jnp.float32), sx, scale.astype(jnp.float32))
-        return y if minimum is None else y + jnp.einsum("mb,fb->mf", xsum, minimum.astype(jnp.float32))
 
     return map_tiles(tile, arrays, n)
 

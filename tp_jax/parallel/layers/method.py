@@ -39,6 +39,7 @@ import numpy as np
 
 from tp_jax.parallel.layers.loading import LazyTensor, ShardedParam
 from tp_jax.parallel.mesh import TP
+from tp_jax.parallel.invariant import row_tiled
 
 LINEAR, EMBEDDING, EXPERTS = "linear", "embedding", "experts"   # the kinds of weight a layer holds
 
@@ -182,9 +183,10 @@ class Unquantized(LinearMethod):
 
     def apply(self, layer, x):
         w = layer.weight()
-        if layer.weight_transposed:                            # kernel [in, out]
-            return local_matmul(x, w)
-        return jnp.einsum("...d,vd->...v", x.astype(w.dtype), w)   # table [out, in]
+        spec = "md,df->mf" if layer.weight_transposed else "md,fd->mf"    # kernel [in, out] or table [out, in]
+        xs = x.reshape(-1, x.shape[-1]).astype(w.dtype)
+        y = row_tiled(lambda rows: jnp.einsum(spec, rows, w), xs)          # batch-invariant (invariant.py)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def embed(self, layer, ids):
         return jnp.take(layer.weight(), ids, axis=0)
@@ -282,7 +284,8 @@ def tiled_matmul(x: jax.Array, arrays: Sequence[jax.Array], dequantize: Callable
     out, inp = arrays[0].shape[0], x.shape[-1]
     n = num_tiles(out, inp * jnp.dtype(dtype).itemsize)
     xs = x.reshape(-1, inp).astype(dtype)                                 # [M, in]
-    y = map_tiles(lambda *parts: jnp.einsum("md,fd->mf", xs, dequantize(*parts).astype(dtype)), arrays, n)
+    y = row_tiled(lambda rows: map_tiles(lambda *parts: jnp.einsum("md,fd->mf", rows, dequantize(*parts).astype(
+        dtype)), arrays, n), xs)                                          # batch-invariant (invariant.py)
     return y.reshape(*x.shape[:-1], out)
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 from tp_jax.parallel.layers.base import ParallelModule, check_tp_size
 from tp_jax.parallel.layers.loading import PartRows, ShardedParam
+from tp_jax.parallel.invariant import row_mean
 
 
 class RMSNorm(ParallelModule):
@@ -31,7 +32,7 @@ class RMSNorm(ParallelModule):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        x32 = x32 * jax.lax.rsqrt(row_mean(x32 * x32, keepdims=True) + self.eps)   # batch-invariant sum
         return self.weight[...] * x32.astype(x.dtype)
 
 
@@ -58,7 +59,7 @@ class LayerNorm(ParallelModule):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        mean = row_mean(x32, keepdims=True)                             # batch-invariant sums
+        var = row_mean(jnp.square(x32 - mean), keepdims=True)
         y = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).astype(x.dtype) * self.weight[...]
         return y + self.bias[...] if self.bias is not None else y

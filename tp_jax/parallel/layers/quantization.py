@@ -1,8 +1,7 @@
 """Named quantizations (vLLM's `QuantizationConfig`): which `LinearMethod` each layer of a model gets.
 
     quantization_config(name)            -> a config ("bf16", "int8", "w8a8", "w8a8x2", "w8a8x2_bf16",
-                                            "gguf", "gguf_bf16",
-                                            "gguf_int8"); QuantizationError listing the names
+                                            "gguf", "gguf_bf16"); QuantizationError listing the names
     quantization_choices()               -> what `LLM(quantization=...)` and `--quantization` accept
     config.method_for(layer, tensors)    -> the layer's method, or None (the layer stays float)
     apply_methods(model, plan)           -> swap methods on a built (abstract) model by module path
@@ -113,8 +112,8 @@ class W8A8x2Bf16Config(QuantizationConfig):
 class GGUFConfig(QuantizationConfig):
     """`GGUFBlocks(type, dot)` where a GGUF file stores the weight as Q8_0 / Q4_0 / Q4_1; float tensors stay float.
 
-    "gguf" multiplies in float32 (bit for bit the file's dequantized weights), "gguf_bf16" and
-    "gguf_int8" with bf16 / per-block int8 dots (layers/ggml.py).
+    "gguf" multiplies in float32 (bit for bit the file's dequantized weights), "gguf_bf16" with bf16 dots
+    (layers/ggml.py).
     """
     name: ClassVar[str] = "gguf"
     dot: ClassVar[str] = "float32"
@@ -151,15 +150,10 @@ class GGUFBf16Config(GGUFConfig):
     dot: ClassVar[str] = "bf16"
 
 
-class GGUFInt8Config(GGUFConfig):
-    name: ClassVar[str] = "gguf_int8"
-    dot: ClassVar[str] = "int8"
-
-
 QUANTIZATIONS: dict[str, type[QuantizationConfig]] = {
     "bf16": Bfloat16Config, "int8": Int8Config, "w8a8": W8A8Config, "w8a8x2": W8A8x2Config,
     "w8a8x2_bf16": W8A8x2Bf16Config,
-    "gguf": GGUFConfig, "gguf_bf16": GGUFBf16Config, "gguf_int8": GGUFInt8Config}
+    "gguf": GGUFConfig, "gguf_bf16": GGUFBf16Config}
 
 
 def register_quantization(name: str, config: type[QuantizationConfig]) -> None:

@@ -6,22 +6,17 @@ every device holds all of them). Compile time does not grow with depth.
 `unstack(mesh)` trades that for speed where a step reads every weight once (decode): XLA:CPU
 copies each layer's slice out of a stacked weight before its matmul (a dynamic-slice per weight
 per layer, as many bytes again as the matmuls read), so a serving engine stores one array per
-local layer slot instead ([pp, ...] each, still sharded on pp) and runs the layers unrolled.
-Same numbers, one read per weight; compile time then grows with depth.
+local layer slot instead ([pp, ...] each, still sharded on pp) and keeps the loop over those slots
+(`fori_loop`, one layer body): each linear layer's GEMM in the body is a `lax.switch` over the slots
+whose branch j is the dot of slot j's own weight (`MethodLayer.gemm`), a whole buffer XLA reads in
+place; the other params (norms, biases, the per-channel scales a method applies after its dot: small)
+are stacked and indexed per layer. XLA:CPU compiles each branch apart, so a branch holds only the dot:
+the method's work on the activations alone (`LinearMethod.prepare`) runs before the switch and its
+scales (`LinearMethod.finish`) after it, once, and the compile time stays near the scan's. Same
+numbers as the scan.
 
-`unstack(mesh, switch=True)` keeps the loop over those slots (`fori_loop`, one layer body): each
-linear layer's GEMM in the body is a `lax.switch` over the slots whose branch j is the dot of slot
-j's own weight (`MethodLayer.gemm`), a whole buffer XLA reads in place; the other params (norms,
-biases, the per-channel scales a method applies after its dot: small) are stacked and indexed per
-layer. XLA:CPU compiles each branch apart, so a branch holds only the dot: the method's work on
-the activations alone (`LinearMethod.prepare`) runs before the switch and its scales
-(`LinearMethod.finish`) after it, once, and the compile time stays near the scan's.
-
-`LLM(layer_loop=...)` picks one of the three (`LAYER_LOOPS`, `layer_loop_for`): "scan" (the stack as
-built), "unrolled" (`unstack`), "switch" (`unstack(switch=True)`); "auto" is "switch" on one CPU device,
-where it was measured faster (docs/performance.md), and "scan" on several devices (simulated CPU devices
-sharing cores measured the scan faster) and on other platforms, where XLA:GPU / TPU conditionals in the
-layer loop have not been measured.
+`LLM(layer_loop=...)` picks "scan" (the stack as built) or "switch" (`unstack`); which one "auto"
+means is the engine's resolve step's rule (tp_jax/serving/resolve.py).
 """
 
 from __future__ import annotations
@@ -45,8 +40,8 @@ class Stack(nnx.Module):
       num_layers: N (>= 1).
       rngs: `nnx.Rngs`, split per layer.
 
-    `stack(fn, h, carry)` runs `h, carry = fn(layer_i, i, h, carry)` over the local layers (a scan; unrolled
-    after `unstack`, a switched loop after `unstack(switch=True)`) and returns (h, carry). In a name table, a
+    `stack(fn, h, carry)` runs `h, carry = fn(layer_i, i, h, carry)` over the local layers (a scan; a switched
+    loop after `unstack`) and returns (h, carry). In a name table, a
     stacked param's path is "<stack path>.layers.<param>" and its checkpoint names carry `{i}` for the layer
     index.
     """
@@ -63,21 +58,14 @@ class Stack(nnx.Module):
         self.layers = build(rngs)
         self.num_layers = num_layers
         self.slots = None                        # after unstack(): one module per local layer slot
-        self.switch = False                      # unstack(switch=True): slots looped over, GEMMs switched
 
     def __call__(self, fn: Callable, h: jax.Array, carry=None):
         """Run `h, carry = fn(layer, index, h, carry)` over the local layers (index: this rank's slot).
 
         `carry` is threaded through every layer (e.g. a KV pool each layer writes in place).
         """
-        if self.slots is not None and self.switch:
-            return self._switched(fn, h, carry)
         if self.slots is not None:
-            for index, slot in enumerate(self.slots):
-                graphdef, state = nnx.split(slot)
-                layer = nnx.merge(graphdef, jax.tree.map(lambda x: x[0], state))   # local [1, ...]: a bitcast
-                h, carry = fn(layer, jnp.int32(index), h, carry)
-            return h, carry
+            return self._switched(fn, h, carry)
         graphdef, state = nnx.split(self.layers)
 
         def body(c, xs):
@@ -89,7 +77,7 @@ class Stack(nnx.Module):
         return h, carry
 
     def _switched(self, fn: Callable, h: jax.Array, carry):
-        """The loop of `unstack(switch=True)`: one layer body, GEMM weights switched, the rest indexed."""
+        """The loop of `unstack()`: one layer body, GEMM weights switched, the rest indexed."""
         graphdef, _ = nnx.split(self.slots[0])
         states = [jax.tree.map(lambda x: x[0], nnx.split(slot)[1]) for slot in self.slots]   # bitcasts
         peers = [nnx.merge(graphdef, state) for state in states]
@@ -112,10 +100,9 @@ class Stack(nnx.Module):
 
         return jax.lax.fori_loop(0, len(self.slots), body, (h, carry))
 
-    def unstack(self, mesh: jax.sharding.Mesh, switch: bool = False) -> None:
-        """Store one array per local layer slot (see the module doc); the stacked arrays are freed.
-        `switch`: loop over the slots with switched GEMMs instead of unrolling them."""
-        self.switch = switch
+    def unstack(self, mesh: jax.sharding.Mesh) -> None:
+        """Store one array per local layer slot, looped over with switched GEMMs (see the module doc); the
+        stacked arrays are freed."""
         if self.slots is not None:
             return
         pp = mesh.shape[PP]
@@ -153,32 +140,21 @@ def _gemm_weights(peers: list[nnx.Module]) -> set[int]:
     return {id(getattr(same[0], name).get_value()) for same in layers for name in same[0].switch_owned(same)}
 
 
-LAYER_LOOPS = ("auto", "scan", "switch", "unrolled")
+LAYER_LOOPS = ("scan", "switch")
 
 
-def layer_loop_for(choice: str, platform: str, num_devices: int = 1) -> str:
-    """The layer loop `choice` (one of LAYER_LOOPS) means for a mesh of `num_devices` on `platform` ("cpu",
-    "gpu", "tpu"): "auto" is "switch" on one CPU device and "scan" otherwise, as measured
-    (docs/performance.md): on one CPU device the switched loop decodes 1.35-1.85x the scan's tokens/s; on
-    simulated CPU devices sharing a few cores (tp = 8 on 2 cores) each device's conditionals cost more than
-    the copies they save (decode 6.9 vs 9.2 tokens/s, compile 11.2 vs 4.1 s); GPU / TPU were not measured."""
-    if choice == "auto":                         # any other value is checked by use_layer_loop (LLM: serving/args.py)
-        return "switch" if platform == "cpu" and num_devices == 1 else "scan"
-    return choice
-
-
-def unstack_all(model: nnx.Module, mesh: jax.sharding.Mesh, switch: bool = False) -> None:
+def unstack_all(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
     """`Stack.unstack` every Stack in `model` (in place)."""
     for stack in [node for _, node in nnx.iter_graph(model) if isinstance(node, Stack)]:
-        stack.unstack(mesh, switch)
+        stack.unstack(mesh)
 
 
 def use_layer_loop(model: nnx.Module, mesh: jax.sharding.Mesh, loop: str) -> None:
-    """Run every Stack of `model` with `loop` ("scan", "switch" or "unrolled"; see layer_loop_for)."""
-    if loop not in LAYER_LOOPS[1:]:
-        raise ValueError(f"use_layer_loop: loop={loop!r} must be one of {LAYER_LOOPS[1:]}")
-    if loop != "scan":
-        unstack_all(model, mesh, switch=loop == "switch")
+    """Run every Stack of `model` with `loop` ("scan" or "switch")."""
+    if loop not in LAYER_LOOPS:
+        raise ValueError(f"use_layer_loop: loop={loop!r} must be one of {LAYER_LOOPS}")
+    if loop == "switch":
+        unstack_all(model, mesh)
 
 
 show_init_signature(Stack)

@@ -1,0 +1,110 @@
+"""The numeric contract's batch invariance (docs/design.md): a request's tokens and logprobs are the same alone
+and inside a mix of 24 requests (prompts of 8 to 200 tokens, or to the model's limit; prefill chunks beside decode
+rows; greedy and seeded sampling; preemption from a small KV pool; dp replicas), for what "auto" picks:
+
+* the embedded GGUF (`gguf_bf16` on CPU): the real SmolLM2 at tp 1, a tiny GGUF of the same types at tp 2 and
+  dp 2 x tp 2;
+* a float checkpoint stored in bfloat16 ("bf16" dots on one CPU device, float32 on several): a tiny one at tp 1,
+  tp 2 and dp 2 x tp 2.
+
+Tokens must be equal. Logprobs must be equal to within LOGPROB_BOUND: the GEMMs and norms are invariant bit for bit
+(tests/test_invariant.py), and XLA may still sum a step's attention in another order when the whole step program
+differs (float32 rounding, ~1e-8), which a bf16 rounding downstream can carry to ~1e-4 in a logprob. A method that
+switches its dot by the step's rows moves logprobs by ~1e-2: `test_the_check_catches_a_method_that_switches_by_rows`
+runs the same check on `w8a8x2_bf16` and requires it to fail.
+"""
+
+import numpy as np
+import pytest
+
+from tests.quant_models import write_tiny_gguf
+from tp_jax import LLM, SamplingParams
+
+PROBES = 3
+MIX = 24
+LOGPROB_BOUND = 1e-3
+
+
+def workload(vocab: int, longest: int, seed: int = 0):
+    """(prompts, params): MIX requests, prompts of 8 to `longest` tokens, 4-16 new tokens (the probes 8); the probes
+    first: one greedy, one seeded sampled, one greedy with the longest prompt."""
+    rng = np.random.default_rng(seed)
+    lengths = [37, longest // 2, longest] + rng.integers(8, longest + 1, MIX - PROBES).tolist()
+    prompts = [rng.integers(3, vocab, n).tolist() for n in lengths]
+    params = []
+    for i in range(MIX):
+        new = 8 if i < PROBES else int(rng.integers(4, 17))
+        if i % 3 == 1:
+            params.append(SamplingParams(max_tokens=new, temperature=0.8, top_p=0.95, seed=1000 + i, logprobs=1,
+                                         ignore_eos=True))
+        else:
+            params.append(SamplingParams(max_tokens=new, temperature=0.0, logprobs=1, ignore_eos=True))
+    return prompts, params
+
+
+def trace(out):
+    c = out.outputs[0]
+    return c.token_ids, np.array([lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
+
+
+def differences(llm, longest: int, bound: float = LOGPROB_BOUND) -> list[str]:
+    """Each probe alone, then the whole mix at once: the probes whose tokens differ, or whose logprobs differ by
+    more than `bound`."""
+    prompts, params = workload(llm.config.vocab_size, longest)
+    alone = [trace(llm.generate([prompts[i]], params[i])[0]) for i in range(PROBES)]
+    mixed = [trace(o) for o in llm.generate(prompts, params)[:PROBES]]
+    found = []
+    for i, ((ta, la), (tm, lm)) in enumerate(zip(alone, mixed)):
+        if ta != tm:
+            first = next((k for k, (a, b) in enumerate(zip(ta, tm)) if a != b), min(len(ta), len(tm)))
+            found.append(f"probe {i}: tokens differ from token {first}: alone {ta}, in the mix {tm}")
+        elif np.abs(la - lm).max() > bound:
+            found.append(f"probe {i}: logprobs differ by {np.abs(la - lm).max():.2e}: alone {la}, in the mix {lm}")
+    return found
+
+
+MESHES = {"tp2": dict(tensor_parallel_size=2), "dp2tp2": dict(data_parallel_size=2, tensor_parallel_size=2)}
+SERVING = dict(max_num_batched_tokens=128, block_size=16, progress=False)        # prefill chunks beside decodes
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(a tiny GGUF of SmolLM2's types, a tiny float checkpoint stored in bfloat16)."""
+    import torch
+    from transformers import LlamaForCausalLM
+    root = str(tmp_path_factory.mktemp("invariance"))
+    gguf_path, float_dir, _ = write_tiny_gguf(root)
+    bf16_dir = f"{root}/tiny_bf16"
+    LlamaForCausalLM.from_pretrained(float_dir, dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    return gguf_path, bf16_dir
+
+
+@pytest.mark.slow
+def test_default_on_the_embedded_gguf_is_batch_invariant(smollm2_path):
+    llm = LLM(smollm2_path, max_model_len=256, num_gpu_blocks=64, **SERVING)
+    assert llm.quantization == "gguf Q4_1 (bf16 dot), gguf Q8_0 (bf16 dot)" and llm.setup.batch_invariant
+    assert differences(llm, 200) == []
+    assert llm.engine.core.stats["preemptions"] > 0            # the mix ran out of blocks at least once
+
+
+@pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
+def test_default_on_a_gguf_is_batch_invariant_on_several_devices(tiny, mesh):
+    llm = LLM(tiny[0], max_model_len=128, num_gpu_blocks=24, **MESHES[mesh], **SERVING)
+    assert llm.setup.quantization == "gguf_bf16" and llm.setup.batch_invariant
+    assert differences(llm, 110) == []
+    assert llm.engine.core.stats["preemptions"] > 0 or "data_parallel_size" in MESHES[mesh]   # tp2: preempted
+
+
+@pytest.mark.parametrize("mesh", ["tp1", *MESHES], ids=["tp1", *MESHES])
+def test_default_on_a_bf16_checkpoint_is_batch_invariant(tiny, mesh):
+    llm = LLM(tiny[1], max_model_len=128, num_gpu_blocks=24, **MESHES.get(mesh, {}), **SERVING)
+    assert llm.quantization == ("bf16" if mesh == "tp1" else "none")
+    assert differences(llm, 110) == []
+
+
+def test_the_check_catches_a_method_that_switches_by_rows(tiny):
+    """`w8a8x2_bf16` runs int8 dots for a step of a few rows and bf16 dots above: the check must see its probes
+    change beside other requests (here by ~3e-3 in a logprob; the default's stay within ~1e-6)."""
+    llm = LLM(tiny[0], quantization="w8a8x2_bf16", max_model_len=128, num_gpu_blocks=24, **SERVING)
+    assert not llm.setup.batch_invariant and "NO:" in llm.setup.summary()
+    assert differences(llm, 110) != []

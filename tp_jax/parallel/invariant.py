@@ -1,0 +1,55 @@
+"""Batch-invariant building blocks: a row's result never depends on how many other rows share the call.
+
+XLA:CPU picks kernels by shape. A float32 reduction along a row (a norm's mean of squares) is vectorized
+one way for a few rows and another for many, and a float32 dot goes to one library for 2-32 rows and to
+another above: the same row then sums in another order and its last bits change, which bf16 / int8
+rounding downstream turns into different tokens. What keeps a row's numbers its own here:
+
+    row_sum(x)          sum over the last axis in an order fixed by its length alone (a halving tree of
+                        element-wise adds, which compute each element alike whatever the shape)
+    row_mean(x)         row_sum / length
+    row_tiled(dot, x)   dot(x[M, K]) -> [M, F] with every float32 dot over exactly ROW_TILE rows (M = 1
+                        padded to 2): XLA:CPU's kernel for 2-32 rows sums each row alike whatever the rows
+
+bf16 x bf16 -> float32 and int8 x int8 -> int32 dots of 2 rows and more, and batched dots of a fixed
+per-batch shape, are already invariant there (tests/test_batch_invariance.py checks each of these).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+ROW_TILE = 32
+
+
+def row_sum(x: jax.Array, keepdims: bool = False) -> jax.Array:
+    """x summed over its last axis: zero-padded to a power of two, then halved by element-wise adds."""
+    n = x.shape[-1]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x if keepdims else x[..., 0]
+
+
+def row_mean(x: jax.Array, keepdims: bool = False) -> jax.Array:
+    return row_sum(x, keepdims) / x.shape[-1]
+
+
+def row_tiled(dot: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """dot(x) for x[M, K] -> [M, F], every call of `dot` on a fixed number of rows: M = 1 padded to 2, up to
+    ROW_TILE rows at once, more in tiles of ROW_TILE (`lax.map`), the last one zero-padded. Off CPU: dot(x)."""
+    m = x.shape[0]
+    if jax.default_backend() != "cpu" or 1 < m <= ROW_TILE:
+        return dot(x)
+    if m == 1:
+        return dot(jnp.pad(x, ((0, 1), (0, 0))))[:1]
+    n = -(-m // ROW_TILE)
+    xs = jnp.pad(x, ((0, n * ROW_TILE - m), (0, 0))).reshape(n, ROW_TILE, x.shape[1])
+    y = jax.lax.map(dot, xs)
+    return y.reshape(n * ROW_TILE, y.shape[-1])[:m]

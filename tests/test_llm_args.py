@@ -1,10 +1,18 @@
-"""`LLM(...)` checks its arguments' types and ranges before any device work or load."""
+"""`LLM(...)` checks its arguments' types and ranges (EngineArgs) before any device work or load; the flags, LLM's
+signature and the docs' table all come from EngineArgs and cannot drift from it."""
+
+import dataclasses
+import inspect
+import os
 
 import numpy as np
 import pytest
 
-from tp_jax.serving.args import validate_llm_args
+from tp_jax.serving import engine_args
+from tp_jax.serving.engine_args import EngineArgs
 from tp_jax.serving.llm import LLM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NO_SUCH_MODEL = "/nonexistent/model/dir"          # reached only if the arguments pass
 
@@ -28,12 +36,18 @@ NO_SUCH_MODEL = "/nonexistent/model/dir"          # reached only if the argument
     (dict(num_microbatches=0), ValueError, "num_microbatches=0 must be >= 1 (pipeline micro-batches; None: pipeline_parallel_size)"),
     (dict(seed=1.0), TypeError, "seed=1.0 must be an int, got float; pass seed=1"),
     (dict(seed=None), TypeError, "seed=None must be an int, got NoneType"),
-    (dict(dtype=np.float32), TypeError, "must be a string: 'auto', 'float32', 'bfloat16' or 'float16'"),
+    (dict(dtype=np.float32), TypeError, "must be a string, one of 'auto', 'float32', 'bfloat16', 'float16'"),
     (dict(progress="yes"), TypeError, "progress='yes' must be True or False, got str"),
-    (dict(layer_loop=True), TypeError, "layer_loop=True must be one of 'auto', 'scan', 'switch', 'unrolled', "
+    (dict(layer_loop=True), TypeError, "layer_loop=True must be a string, one of 'auto', 'scan', 'switch', "
      "got bool"),
-    (dict(layer_loop="scanned"), ValueError, "layer_loop='scanned' is not a layer loop; choose one of 'auto', "
-     "'scan', 'switch', 'unrolled'"),
+    (dict(layer_loop="unrolled"), ValueError, "layer_loop='unrolled' is not a layer loop; choose one of 'auto', "
+     "'scan', 'switch'"),
+    (dict(attention_backend="split"), ValueError, "attention_backend='split' is not an attention backend; choose "
+     "one of 'auto', 'reference', 'bf16'"),
+    (dict(quantization="gguf_int8"), ValueError, "quantization='gguf_int8' is not a quantization method"),
+    (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization=1.5 must be in (0, 1]"),
+    (dict(tensor_parallel=2), TypeError, "unknown argument 'tensor_parallel'; did you mean 'tensor_parallel_size'?"),
+    (dict(structured_outputs_config={"backend": "xgrammar"}), ValueError, "only 'guidance'"),
 ])
 def test_bad_arguments_fail_before_the_load_naming_the_argument(kwargs, error, message):
     with pytest.raises(error) as e:
@@ -48,8 +62,48 @@ def test_bad_model_argument_type():
 
 
 def test_good_arguments_pass_including_numpy_integers():
-    validate_llm_args(model=None, tensor_parallel_size=np.int64(2), pipeline_parallel_size=1, data_parallel_size=1,
-                      dtype="auto", max_model_len=None, max_num_seqs=np.int32(4), num_microbatches=None, seed=-5,
-                      progress=False, devices=None, self=object())       # unknown names are ignored
+    args = EngineArgs(model=None, tensor_parallel_size=np.int64(2), max_num_seqs=np.int32(4), seed=-5,
+                      progress=False, quantization=None)
+    assert args.quantization == "none" and args.tensor_parallel_size == 2
     with pytest.raises(FileNotFoundError):                             # past the checks: the load itself
         LLM(NO_SUCH_MODEL, tensor_parallel_size=1, max_num_seqs=1)
+
+
+def test_llm_signature_is_engine_args():
+    """LLM's keywords are EngineArgs' fields with their defaults: nothing restates the list."""
+    params = inspect.signature(LLM.__init__).parameters
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    assert [p for p in params if p != "self"] == list(fields)
+    for name, f in fields.items():
+        assert params[name].default == engine_args.default(name)
+        assert name in LLM.__doc__ and f.metadata["help"] in LLM.__doc__
+
+
+def test_every_command_line_field_is_a_flag_of_serve_and_generate_with_its_default():
+    from tp_jax.server.cli import build_parser
+    for command in ("serve", "generate"):
+        ns = build_parser().parse_args([command])
+        for f in dataclasses.fields(EngineArgs):
+            if f.metadata["cli"]:
+                assert getattr(ns, f.name) == engine_args.default(f.name), (command, f.name)
+        assert engine_args.from_cli(ns) == EngineArgs()
+    ns = build_parser().parse_args(["generate", "--tp", "2", "--structured-outputs-config",
+                                    '{"disable_any_whitespace": true}', "--no-enable-prefix-caching", "-q", "none"])
+    args = engine_args.from_cli(ns)
+    assert (args.tensor_parallel_size, args.structured_outputs_config, args.enable_prefix_caching,
+            args.quantization) == (2, {"disable_any_whitespace": True}, False, "none")
+
+
+def test_help_shows_the_defaults():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "tp_jax.server.cli", "generate", "--help"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "--max-num-seqs MAX_NUM_SEQS" in out and "(default: 256)" in out and "--structured-outputs-config" in out
+
+
+def test_docs_table_is_engine_args():
+    """docs/serving.md's argument table is `engine_args.markdown_table()`, and design.md's rules are `RULES`."""
+    from tp_jax.serving.resolve import rules_markdown
+    assert engine_args.markdown_table() in open(os.path.join(ROOT, "docs", "serving.md")).read()
+    assert rules_markdown() in open(os.path.join(ROOT, "docs", "design.md")).read()

@@ -101,6 +101,9 @@ def run(args) -> int:
             return 0
         if args.warmup:
             log.info("compiled %d step shapes", len(engine.core.warmup()))
+        else:
+            log.info("%d common step shapes compile on first use: the first request of each shape waits for its "
+                     "compile (seconds); --warmup compiles them before serving", len(engine.core.warmup_shapes()))
         names = args.served_model_name or [default_model_name(model, llm.model_path)]
         serve(llm, sock, names, args)
     finally:

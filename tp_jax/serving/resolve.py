@@ -141,7 +141,8 @@ RULES: dict[str, list[Rule]] = {
              and f.quantization in BF16_DOT_METHODS, "bf16",
              "the run is not float32-exact already; AMX runs XLA's batched bf16 dots faster than its float32 ones "
              "(docs/performance.md)"),
-        Rule("otherwise", lambda f: True, "reference", "float32 attention over each row's own blocks"),
+        Rule("otherwise", lambda f: True, "reference", "each row attends its own blocks in fixed key chunks, in the "
+             "run's dtype (batch-invariant)"),
     ],
 }
 

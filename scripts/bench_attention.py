@@ -8,7 +8,7 @@ The step holds the first chunks of `--prompts` (no cached context), laid out by 
 own `build_batch` (serving/batch.py) with each of `--chunks` as its `PREFILL_CHUNK`; 0 lays each
 prompt out as one attention row padded to its bucketed length (whole rows, the layout before
 chunks, except that their count was then padded to a power of two). Times each of `--backends`
-(models/attention.py PAGED_BACKENDS, default the float32 `paged_reference`) jitted, the write of the
+(tp_jax/models/attention.py PAGED_BACKENDS, default the float32 `paged_reference`) jitted, the write of the
 new keys not included, best of `--repeat`: per chunk width `ms` (the reference) or `ms_<backend>`,
 the attention rows P, their width T, the padded queries and the context each row reads. Default heads are SmolLM2's (9 query heads over 3 KV heads of 64).
 With `--decode`, also one decode step of a row per given context (its new token at that position):

@@ -3,8 +3,8 @@
     python scripts/bench_load.py [--tp 8] [--simulate-devices 8] [--model X.gguf] [--work-dir DIR] [--repeat 2]
                                  [--quantization none gguf int8]
 
-The safetensors copy (loaders/convert.py `convert_gguf`, float32) and the Orbax copy
-(loaders/orbax.py `convert_to_orbax`) are written first, each conversion in its own
+The safetensors copy (tp_jax/loaders/convert.py `convert_gguf`, float32) and the Orbax copy
+(tp_jax/loaders/orbax.py `convert_to_orbax`) are written first, each conversion in its own
 process (reported as "step": "convert"). Then every load runs in a fresh process, so
 peak RSS is that source's alone: `load_s` is `LLM(path, tensor_parallel_size=tp)` until
 every param is on its device (for GGUF this includes dequantizing on the fly); `cpu_s`

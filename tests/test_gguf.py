@@ -357,7 +357,7 @@ def test_convert_round_trip(smollm2_converted, hf_model):
 # --- the reader's overrides of gguf's private methods (pyproject.toml bounds gguf) ------------------
 
 def test_private_reader_methods_keep_their_signatures():
-    """loaders/gguf.py overrides GGUFReader._get_field_parts and _build_tensors (the public reader takes
+    """tp_jax/loaders/gguf.py overrides GGUFReader._get_field_parts and _build_tensors (the public reader takes
     ~18x longer on SmolLM2's tokenizer arrays) and calls _get; a gguf release that changes them fails here."""
     import inspect
     want = {"_get_field_parts": ["self", "orig_offs", "raw_type"], "_build_tensors": ["self", "start_offs", "fields"],

@@ -1,4 +1,4 @@
-"""GPT-2 (models/gpt2.py) against transformers' GPT2LMHeadModel: logits and greedy generation
+"""GPT-2 (tp_jax/models/gpt2.py) against transformers' GPT2LMHeadModel: logits and greedy generation
 at tp 1, 2, 4, 8 and with pp = 2; its config map and name table.
 
 The tiny model has 6 heads, so tp 4 pads heads and tp 8 replicates them; norms and biases

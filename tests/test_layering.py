@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 LAYERS = ["tp_jax.parallel", "tp_jax.models", "tp_jax.loaders", "tp_jax.serving", "tp_jax.server"]
-DIRS = {"tp_jax.parallel": "tp_jax/parallel", "tp_jax.models": "models", "tp_jax.loaders": "loaders",
+DIRS = {"tp_jax.parallel": "tp_jax/parallel", "tp_jax.models": "tp_jax/models", "tp_jax.loaders": "tp_jax/loaders",
         "tp_jax.serving": "tp_jax/serving", "tp_jax.server": "tp_jax/server", "tp_jax.multihost": "tp_jax/multihost"}
 
 

@@ -14,7 +14,7 @@ from tp_jax.serving.llm import LLM
 from tp_jax.models.config import UnsupportedConfigError, config_from_hf
 from tp_jax.serving.sampling import SamplingParams
 
-MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")
+MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "tp_jax", "models")
 BASE = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, rms_norm_eps=1e-5,
             max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})

@@ -1,4 +1,4 @@
-"""Orbax checkpoints (loaders/orbax.py): convert once, restore onto any mesh.
+"""Orbax checkpoints (tp_jax/loaders/orbax.py): convert once, restore onto any mesh.
 
 A tiny HF model and the real SmolLM2 (from its GGUF) are converted to Orbax; loaded at
 tp in {1, 2, 4, 8} (and pp x tp = 2 x 4) their logits equal the source loader's logits on

@@ -1,4 +1,4 @@
-"""Attention over pages (models/attention.py) against numpy attention over each sequence's own keys.
+"""Attention over pages (tp_jax/models/attention.py) against numpy attention over each sequence's own keys.
 
 Random pools and block tables: decode rows and prefill rows mixed in one flat batch, GQA,
 sliding windows, padding tokens that must not be written, stale data in unused slots that

@@ -10,7 +10,7 @@ from flax import nnx
 from tp_jax.models import registry
 from tp_jax.models.registry import ModelContractError, register
 
-MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")
+MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "tp_jax", "models")
 
 
 class Good(nnx.Module):

@@ -178,7 +178,7 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
                 microbatches: int, chunk: int = PREFILL_CHUNK, split_k: bool = False) -> StepBatch:
     """`tables[replica][request_id]` is each scheduled request's block table; `chunk` the most queries
     of a prefill attention row (a power of two; scripts/bench_attention.py compares them); `split_k`:
-    also the decode rows' split-K chunks (for the backends that read them, models/attention.py
+    also the decode rows' split-K chunks (for the backends that read them, tp_jax/models/attention.py
     SPLIT_K_BACKENDS), on every step with decode rows; otherwise Rv = Cb = 0."""
     groups = [(r, g) for r, rows in enumerate(out.rows) for g in _split(rows, microbatches)]
     decodes = [row for _, (dec, _) in groups for row in dec]

@@ -64,7 +64,7 @@ class EngineConfig:
     num_microbatches: int | None = None           # pp micro-batches per replica (default pp)
     max_logprobs: int = 20
     seed: int = default("seed")
-    attention_backend: str = "reference"          # models/attention.py PAGED_BACKENDS
+    attention_backend: str = "reference"          # tp_jax/models/attention.py PAGED_BACKENDS
 
     @classmethod
     def from_setup(cls, setup) -> EngineConfig:
@@ -89,7 +89,7 @@ class EngineConfig:
         from tp_jax.models.attention import PAGED_BACKENDS
         if self.attention_backend not in PAGED_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not registered; choose one of "
-                             f"{sorted(PAGED_BACKENDS)} (or register yours in models/attention.py PAGED_BACKENDS)")
+                             f"{sorted(PAGED_BACKENDS)} (or register yours in tp_jax/models/attention.py PAGED_BACKENDS)")
         for name in ("num_gpu_blocks", "kv_cache_memory_bytes"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):

@@ -6,7 +6,7 @@ Layers on pp (padded like the model's stacked params), kv heads on tp exactly as
 plan places them (`KVLayout` from the model), the block axis on dp (each replica owns
 `num_blocks` blocks; block ids are local to a replica). Head-major, so a block of one head
 is one contiguous [block_size, hd] tile and attention gathers a row's context straight into
-the [kv head, position, hd] layout its dots want (models/attention.py). Memory is budgeted, never discovered:
+the [kv head, position, hd] layout its dots want (tp_jax/models/attention.py). Memory is budgeted, never discovered:
 
 * `num_gpu_blocks`: this many blocks per replica, or else
 * `kv_cache_memory_bytes`: K + V bytes per device, or else

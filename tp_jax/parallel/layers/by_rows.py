@@ -13,7 +13,7 @@ The params are `few`'s under its own suffixes ("kernel", "kernel_scale") and `ma
 `many_suffix` + its suffixes ("kernel_bf16"); each method reads its own through a view of the layer that
 adds the suffix (`_Suffixed`), so both run their own code unchanged, bit for bit; an embedding lookup
 reads `many`'s rows. Costs, stated where
-"auto" picks it (loaders/quantize.py): the weights take the bytes of both forms (int8 + bf16: 3 bytes a
+"auto" picks it (tp_jax/loaders/quantize.py): the weights take the bytes of both forms (int8 + bf16: 3 bytes a
 weight), and a request's numbers depend on the rows of the step it runs in (a decode step alone: `few`'s;
 beside 7 others, or a prefill: `many`'s). Name one method ("w8a8x2", "bf16") for batch-invariant
 results or for a third of the memory.

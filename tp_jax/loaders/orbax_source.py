@@ -1,10 +1,10 @@
 """Reading an Orbax checkpoint of the canonical (Hugging Face) tensors: `OrbaxSource`, lazily.
 
 `model_dir/orbax/` holds a flat PyTree {HF tensor name: array} in HF layout (written by
-`convert_to_orbax`, loaders/orbax.py); `OrbaxSource` opens each tensor through tensorstore
+`convert_to_orbax`, tp_jax/loaders/orbax.py); `OrbaxSource` opens each tensor through tensorstore
 only when it is read, and reads only the slice a device needs. Also here: how such a
 directory is recognized (`is_orbax_dir`) and what an interrupted conversion leaves behind
-(`interrupted_orbax`), which the source dispatcher (loaders/sources.py) asks.
+(`interrupted_orbax`), which the source dispatcher (tp_jax/loaders/sources.py) asks.
 """
 
 from __future__ import annotations

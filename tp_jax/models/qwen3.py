@@ -4,7 +4,7 @@
     q, k = q_norm(q), k_norm(k)                RMSNorm over hd, weight [hd] replicated on every rank
     q, k = rope(q), rope(k)
 
-`qk_norm=True` in the config builds the norms (models/decoder.py) and adds their entries to
+`qk_norm=True` in the config builds the norms (tp_jax/models/decoder.py) and adds their entries to
 the name table. q/k/v/o biases follow `attention_bias` (off in released checkpoints); head_dim
 is explicit.
 """

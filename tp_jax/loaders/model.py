@@ -55,7 +55,7 @@ def load_from_source(cfg: ModelConfig, source, mesh: Mesh, dtype=jnp.float32, pr
                      strict: bool = True) -> nnx.Module:
     """The model for `cfg` on `mesh`, each device's params read from `source` (see `load_state`).
 
-    `quantization`: None (float) or a registered method name (loaders/quantize.py; "auto" is decided
+    `quantization`: None (float) or a registered method name (tp_jax/loaders/quantize.py; "auto" is decided
     by the engine's resolve step before this); its problems are raised before any tensor data is read
     (`strict` False: such layers load as float, with a warning).
     """

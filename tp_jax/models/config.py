@@ -12,7 +12,7 @@ The rule for every other field follows what the field does, not a list of harmle
   (`quantization_refusal`), before any weight is read (not `"gguf"`: transformers writes that
   for a GGUF it dequantized, whose saved tensors are float);
 * a field that transformers' reference implementation of the architecture reads
-  (`models/reference.py`, from its source), that the model map does not read, with a value
+  (`tp_jax/models/reference.py`, from its source), that the model map does not read, with a value
   other than the config class's default: it changes the math in a way tp_jax does not
   implement. Reads that matter only for training (`TRAINING_ONLY`: dropout, weight init,
   the padding index's gradient) are exempt;

@@ -14,7 +14,7 @@ window, the rotary embedding, the activation (`ACTIVATIONS`) and the feed-forwar
 (`FEED_FORWARDS`: `feed_forward="dense"` today; a Mixture-of-Experts block plugs in as one more
 entry, built as `make(cfg, tp, dtype, rngs)` and called as `mlp(x)` on local shapes
 x[B, T, D] -> [B, T, D], its all-reduce inside). A model file states its architecture as a
-config map (HF fields -> `DecoderConfig`), not as subclasses; `models/causal_lm.py` wraps the
+config map (HF fields -> `DecoderConfig`), not as subclasses; `tp_jax/models/causal_lm.py` wraps the
 layers in the one causal-LM shell. Everything runs inside `shard_map` on local shapes.
 """
 

@@ -14,7 +14,7 @@ reachable), plus the shared modules those call for rotary embeddings and attenti
 
 `modeling_utils` (the generic `PreTrainedModel` shell: loading, dtype, placement, weight
 init, tying) is not scanned; of what it reads only `tie_word_embeddings` (read by every
-model map here) and `quantization_config` (refused by name, models/config.py) change the
+model map here) and `quantization_config` (refused by name, tp_jax/models/config.py) change the
 result. `None` means the source cannot be found (no such module in this transformers):
 callers then fall back to refusing every non-default field.
 """

@@ -1,6 +1,6 @@
 """GPT2LMHeadModel: the config map (HF fields -> `DecoderConfig`), the HF name table and the registration.
 
-GPT-2 is the shared graph (models/causal_lm.py, models/decoder.py) with other parts, all chosen
+GPT-2 is the shared graph (tp_jax/models/causal_lm.py, tp_jax/models/decoder.py) with other parts, all chosen
 by its config:
 
     h = wte(ids) + wpe(positions)                  learned_positions: a replicated position table
@@ -24,7 +24,7 @@ from tp_jax.models.decoder import DecoderConfig
 from tp_jax.models.registry import first_architecture, register
 from tp_jax.parallel.layers import Entry, WeightTable
 
-# HF `activation_function` values GPT-2 runs (names of models/decoder.py's ACTIVATIONS).
+# HF `activation_function` values GPT-2 runs (names of tp_jax/models/decoder.py's ACTIVATIONS).
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 
 

@@ -7,7 +7,7 @@ Layout written by `convert_to_orbax(src, out_dir)`:
 
 The Orbax checkpoint is a flat dict {HF tensor name: array} in HF layout (q, k, v, gate,
 up separate; Linear weights [out, in]; no padding, no replication), so one checkpoint
-serves every (tp, pp) mesh: `loaders/place.py` cuts each device's block from it exactly
+serves every (tp, pp) mesh: `tp_jax/loaders/place.py` cuts each device's block from it exactly
 as it does from safetensors. Orbax's own API restores it (`ocp.PyTreeCheckpointer()
 .restore(out_dir + "/orbax")`); `OrbaxSource` reads it lazily through tensorstore.
 

@@ -1,8 +1,8 @@
 """LlamaForCausalLM: the config map (HF fields -> `DecoderConfig`), the HF name table and the registration.
 
-The graph is the shared one (models/causal_lm.py, models/decoder.py): RMSNorm, rotary
+The graph is the shared one (tp_jax/models/causal_lm.py, tp_jax/models/decoder.py): RMSNorm, rotary
 embedding, a SwiGLU MLP, biases per `attention_bias` / `mlp_bias`. Qwen2, Qwen3 and Mistral are
-this map and this table with other arguments (models/qwen2.py, qwen3.py, mistral.py).
+this map and this table with other arguments (tp_jax/models/qwen2.py, qwen3.py, mistral.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ LLAMA_FIELDS = {
     "hidden_act": "silu", "max_position_embeddings": 2048, "tie_word_embeddings": False,
     "attention_bias": False, "mlp_bias": False, "sliding_window": None,
     "bos_token_id": None, "eos_token_id": None,
-    **{f: None for f in ROPE_FIELDS},     # None: default rope, theta 10000 (models/rope.py)
+    **{f: None for f in ROPE_FIELDS},     # None: default rope, theta 10000 (tp_jax/models/rope.py)
 }
 # Qwen2/3: a window only on the layers HF marks "sliding_attention".
 PER_LAYER_WINDOW_FIELDS = {"use_sliding_window": False, "max_window_layers": 0, "layer_types": None}
@@ -44,7 +44,7 @@ def llama_config(hf, raw=None, *, window: str = "none", qk_norm: bool = False, q
     Qwen2/3, refused unless no layer slides). `qk_norm`: the architecture has q/k norms (Qwen3).
     `qkv_bias` / `o_bias`: the architecture's own biases (Qwen2); None: `attention_bias`.
     `extra_fields` / `extend`: more HF fields the architecture reads, and `extend(fields, arch)
-    -> (config class, its extra arguments)` (the MoE models, models/moe.py)."""
+    -> (config class, its extra arguments)` (the MoE models, tp_jax/models/moe.py)."""
     if window not in WINDOW_MODES:
         raise ValueError(f"llama_config: window={window!r}; choose one of {WINDOW_MODES}")
     arch = first_architecture(hf)

@@ -7,9 +7,9 @@
     logits = lm_head(norm(h))                               vocab-parallel, all-gathered (tied: embed_tokens)
 
 Everything below runs inside `shard_map` on local shapes. With a paged KV cache
-(models/cache.py) attention writes this step's keys and values into the pool and reads each
-row's blocks (models/attention.py); without one it is a full causal forward. What differs
-between models is in the config (`DecoderConfig`, models/decoder.py); a model file holds its
+(tp_jax/models/cache.py) attention writes this step's keys and values into the pool and reads each
+row's blocks (tp_jax/models/attention.py); without one it is a full causal forward. What differs
+between models is in the config (`DecoderConfig`, tp_jax/models/decoder.py); a model file holds its
 config map, its HF name table and `register(...)`, and its class is `CausalLM` by another name.
 """
 

@@ -4,7 +4,7 @@
 
 * `cache is None`: dense causal attention over the given tokens (the full forward behind
   `LLM.get_logits` and the golden tests).
-* `cache` a `LayerCache` (models/cache.py): the step's new k and v are written into the
+* `cache` a `LayerCache` (tp_jax/models/cache.py): the step's new k and v are written into the
   paged pool at their slots, then every row of the step attends to its own blocks,
   gathered through its block table (vLLM's `Attention` layer with a reference backend).
 
@@ -189,7 +189,7 @@ def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
                     batch, scale: float, window: int | None) -> jax.Array:
     """q[N, Hq, hd] (decode rows first, then packed prefill tokens) over the pool -> [N, Hq * hd], float32.
 
-    `batch`: one micro-batch's PagedBatch (models/cache.py); prefill_index[P, T] the flat token of each
+    `batch`: one micro-batch's PagedBatch (tp_jax/models/cache.py); prefill_index[P, T] the flat token of each
     prefill row slot (N for padding). Every row reads its whole block table, attended in fixed-size key
     chunks (`chunked_attention`): a row's numbers never depend on the rest of the step.
     """

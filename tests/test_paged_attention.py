@@ -82,7 +82,6 @@ TOLERANCE = {"reference": dict(atol=2e-5, rtol=1e-5), "split_f32": dict(atol=2e-
 
 def split_f32(q, k_pool, v_pool, layer, positions, batch, scale, window):
     """The bf16 backend's split-K decode in float32: the combine's own check, exact within float32 rounding."""
-    import functools
     from tp_jax.models.attention import _chunked, _paged, split_decode
     return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, _chunked, split_decode)
 

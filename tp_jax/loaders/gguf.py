@@ -515,7 +515,15 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     if "tokenizer.ggml.model" not in source.metadata:
         return None
     p = Path(path)
-    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    except ModuleNotFoundError as e:
+        import importlib.util
+        if importlib.util.find_spec("torch") is not None:
+            raise
+        raise GGUFError(f"{path}: reading a GGUF file's tokenizer needs torch (transformers' GGUF reader imports "
+                        f"it); install its CPU build, e.g. `pip install torch==2.13.0 --index-url "
+                        f"https://download.pytorch.org/whl/cpu`, or pass token ids instead of text") from e
     meta = source.metadata
     for role in ("bos", "eos", "unk", "pad"):
         key = "padding" if role == "pad" else role

@@ -11,7 +11,7 @@ chunks of T = min(its bucketed length, PREFILL_CHUNK) queries, every chunk with 
 table (a chunk sees the keys its row wrote this step, at earlier positions, as the row itself
 would). Chunks bound the padded queries and the [P, T, context] scores, which XLA:CPU
 materializes and whose size, once past its caches, sets a prefill step's time: 6 prompts of
-12-150 tokens as 8 rows of 256 took 3.1x the time of 12 chunks of 64 (scripts/bench_attention.py).
+12-150 tokens as 8 rows of 256 took far longer than 12 chunks of 64 (scripts/bench_attention.py).
 Decode rows are also laid out split-K for attention (the decode side of flash-decoding): each row's
 context in chunks of DECODE_CHUNK positions, every chunk a virtual row with its own short block
 table (`chunk_tables` [Rv, Cb]), its decode row (`chunk_row`; D for padding) and its first

@@ -4,9 +4,8 @@
 
 On XLA:CPU the int8 x int8 dot (YNNPACK) costs about the same from 1 to 8 digit rows and then grows
 fast, while the bf16 x bf16 -> float32 dot reads twice the bytes but stays flat much longer: on the AMD
-EPYC of docs/performance.md, `w8a8x2` (two digit rows per token) is 1.3-1.5x bf16 at batch 1 and bf16
-1.2-1.5x `w8a8x2` from batch 8 up (prefill: 2-3x); on a Xeon with AMX the int8 dot stays the faster up to
-24 tokens (`W8A8x2Bf16Config` picks `max_rows` by CPU). `ByRows` holds both forms of each weight and picks per
+EPYC measured `w8a8x2` (two digit rows per token) is the faster at batch 1 and bf16 from batch 8 up; on a
+Xeon with AMX the int8 dot stays the faster up to 24 tokens (`W8A8x2Bf16Config` picks `max_rows` by CPU). `ByRows` holds both forms of each weight and picks per
 GEMM, at trace time, from the rows of its input x [M, in]: `few` when M <= `max_rows`, else `many`.
 
 The params are `few`'s under its own suffixes ("kernel", "kernel_scale") and `many`'s under

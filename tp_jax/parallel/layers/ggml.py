@@ -48,7 +48,7 @@ import numpy as np
 from tp_jax.parallel.layers.loading import LazyTensor, PartRows, ShardedParam
 from tp_jax.parallel.layers.method import (DerivedParam, LinearMethod, QuantizationError, UnsupportedLayerError,
                                            WeightParam, describe_layer, map_tiles, num_tiles, out_in, pad_rows,
-                                           quantize_rows, tiled_matmul)
+                                           tiled_matmul)
 
 BLOCK = 32
 

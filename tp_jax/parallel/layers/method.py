@@ -243,7 +243,7 @@ def fast_dot(x: jax.Array, w: jax.Array, spec: str, x_dtype=jnp.bfloat16) -> jax
 
 
 def pad_rows(xs: jax.Array) -> tuple[jax.Array, int]:
-    """([M', ...], M): one row becomes two (a zero row) on CPU, where bf16 / int8 dots are ~10x slower at M = 1."""
+    """([M', ...], M): one row becomes two (a zero row) on CPU, where bf16 / int8 dots take a slow path at M = 1."""
     m = xs.shape[0]
     if m == 1 and jax.default_backend() == "cpu":
         xs = jnp.pad(xs, ((0, 1),) + ((0, 0),) * (xs.ndim - 1))

@@ -20,7 +20,7 @@ Dispatch (local): assignments (token, choice) are either
 * "gather": each assignment multiplies its expert's weight gathered by index, `[A, D, 2F]`
   (reads only the routed experts: decode, where assignments <= local experts), or
 * "ragged": assignments sorted by expert, one `jax.lax.ragged_dot` per projection (XLA's grouped
-  GEMM on GPU/TPU; on CPU jax lowers it to a masked dot over every group, measured 10-30x slower
+  GEMM on GPU/TPU; on CPU jax lowers it to a masked dot over every group, measured far slower
   than the others by scripts/bench_moe.py), or
 * "dense": every local expert on every token as batched GEMMs, weighted by the routing matrix
   (zero where not routed): each local weight read once; for large steps on CPU.
@@ -203,7 +203,7 @@ class Experts(ParallelModule):
         m = x.shape[0]
         route = jnp.zeros((m, self.local_experts), jnp.float32).at[jnp.repeat(jnp.arange(m), k), slot].add(w)
         xe = jnp.broadcast_to(x, (self.local_experts, *x.shape))               # batched form: XLA:CPU's
-        h = jnp.einsum("emd,edf->emf", xe, self._kernel("gate_up"),          # (md,edf is 8x slower)
+        h = jnp.einsum("emd,edf->emf", xe, self._kernel("gate_up"),          # (md,edf measured slower)
                        preferred_element_type=jnp.float32)
         o = jnp.einsum("emf,efd->emd", self._swiglu(self._scaled(h, "gate_up")), self._kernel("down"),
                        preferred_element_type=jnp.float32)

@@ -24,9 +24,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from tp_jax.parallel.layers.quantization import FLOAT_TYPES
 from tp_jax.serving.engine_args import EngineArgs
 
-FLOAT_TYPES = ("F32", "F16", "BF16")              # GGUF tensor types that are float weights
 BF16_DOT_METHODS = frozenset({"bf16"})            # linear methods whose dots take bf16 operands
 NOT_BATCH_INVARIANT = {"w8a8x2_bf16": "picks its dot (int8 or bf16) by the number of rows in the step"}
 

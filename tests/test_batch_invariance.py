@@ -83,7 +83,7 @@ def tiny(tmp_path_factory):
 def test_default_on_the_embedded_gguf_is_batch_invariant(smollm2_path):
     llm = LLM(smollm2_path, max_model_len=256, num_gpu_blocks=64, **SERVING)
     assert llm.quantization == "gguf Q4_1 (bf16 dot), gguf Q8_0 (bf16 dot)" and llm.setup.batch_invariant
-    assert differences(llm, 200) == []
+    assert differences(llm, 200) == [], llm.setup.summary()     # the CPU's flags and every choice, if it fails
     assert llm.engine.core.stats["preemptions"] > 0            # the mix ran out of blocks at least once
 
 
@@ -91,7 +91,7 @@ def test_default_on_the_embedded_gguf_is_batch_invariant(smollm2_path):
 def test_default_on_a_gguf_is_batch_invariant_on_several_devices(tiny, mesh):
     llm = LLM(tiny[0], max_model_len=128, num_gpu_blocks=24, **MESHES[mesh], **SERVING)
     assert llm.setup.quantization == "gguf_bf16" and llm.setup.batch_invariant
-    assert differences(llm, 110) == []
+    assert differences(llm, 110) == [], llm.setup.summary()
     assert llm.engine.core.stats["preemptions"] > 0 or "data_parallel_size" in MESHES[mesh]   # tp2: preempted
 
 
@@ -99,7 +99,7 @@ def test_default_on_a_gguf_is_batch_invariant_on_several_devices(tiny, mesh):
 def test_default_on_a_bf16_checkpoint_is_batch_invariant(tiny, mesh):
     llm = LLM(tiny[1], max_model_len=128, num_gpu_blocks=24, **MESHES.get(mesh, {}), **SERVING)
     assert llm.quantization == ("bf16" if mesh == "tp1" else "none")
-    assert differences(llm, 110) == []
+    assert differences(llm, 110) == [], llm.setup.summary()
 
 
 def test_the_check_catches_a_method_that_switches_by_rows(tiny):

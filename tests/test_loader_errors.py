@@ -107,7 +107,7 @@ def test_unsupported_dtype_on_disk(good, tmp_path):
 
 
 def test_unsupported_run_dtype(good):
-    with pytest.raises(ValueError, match=r"dtype='int8' is not supported"):
+    with pytest.raises(ValueError, match=r"dtype='int8' is not a dtype; choose one of 'auto', 'float32', 'bfloat16', 'float16'"):
         LLM(good, dtype="int8", progress=False)
 
 

@@ -143,7 +143,7 @@ def test_tp_across_processes_and_disagreeing_arguments_are_refused(tiny):
         assert "Choose tp <= the number of devices per process (4)" in err
         assert tiny["results"][rank, "tp8"]["bytes_read"] == 0
         err = tiny["results"][rank, "disagree"]["error"]
-        assert "disagree on the LLM arguments: tp=4 on process 0 but 2 on process 1" in err
+        assert "disagree on the LLM arguments: tensor_parallel_size=4 on process 0 but 2 on process 1" in err
 
 
 def _gone(pid: int) -> bool:

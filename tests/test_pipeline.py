@@ -100,8 +100,8 @@ def test_hlo_pp_handoff_is_neighbour_collective_permute(deep):
         assert pairs, "the stage hand-off must be a collective-permute"
         assert all(dst - src == tp for src, dst in pairs)    # to the next stage, same tp rank: neighbours only
         assert {src // tp for src, _ in pairs} == set(range(pp - 1))
-        for body in loop_bodies(hlo):                 # each scanned layer loop: 2 tp all-reduces
-            assert count(body, "all-reduce") == 2
+        reduces = [count(body, "all-reduce") for body in loop_bodies(hlo)]
+        assert 2 in reduces and set(reduces) <= {0, 2}    # each layer loop: 2 tp all-reduces; row tiles' loops: none
 
 
 @pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (1, 2, 2)], ids=lambda v: str(v))

@@ -91,7 +91,8 @@ def test_perplexity_greedy_agreement_and_bytes(runs, text_ids):
 def test_an_explicit_float32_on_the_gguf_is_transformers_float32(smollm2_path, smollm2_hf, text_ids, tp):
     """The contract's "dtype honoured": LLM(dtype="float32") on the embedded GGUF holds its blocks (the file's
     bytes) and dequantizes them exactly inside float32 dots: transformers' float32 on the same file, logits within
-    1e-4, 24 greedy tokens equal, at tp 1, 3 and 8."""
+    5e-4 (float32 roundoff through 30 layers, summed in another order than torch's: up to 1.75e-4 seen on
+    a CI machine; a wrong block or scale moves logits by > 1e-2), 24 greedy tokens equal, at tp 1, 3 and 8."""
     import torch
     ids, prompts = text_ids
     llm = LLM(smollm2_path, dtype="float32", tensor_parallel_size=tp, progress=False)
@@ -103,7 +104,7 @@ def test_an_explicit_float32_on_the_gguf_is_transformers_float32(smollm2_path, s
                                    eos_token_id=None, pad_token_id=0)[0, len(prompts[0]):].tolist()
     err = float(np.abs(llm.get_logits(ids) - ref).max())
     print(f"SmolLM2 dtype=float32 tp={tp}: max |logits - transformers float32| {err:.2e}")
-    assert err <= 1e-4
+    assert err <= 5e-4
     got = llm.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     assert got[0].outputs[0].token_ids == want
 

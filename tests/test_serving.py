@@ -188,8 +188,8 @@ def used_blocks_of(engine) -> int:
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(max_num_batched_tokens=8, block_size=16), r"max_num_batched_tokens=8 is smaller than one block"),
-    (dict(num_gpu_blocks=0), r"num_gpu_blocks=0 must be a positive integer"),
-    (dict(kv_cache_memory_bytes=0), r"kv_cache_memory_bytes=0 must be a positive integer"),
+    (dict(num_gpu_blocks=0), r"num_gpu_blocks=0 must be >= 1"),
+    (dict(kv_cache_memory_bytes=0), r"kv_cache_memory_bytes=0 must be >= 1"),
     (dict(num_gpu_blocks=4, max_model_len=128), r"holds 64 tokens per replica .* fewer than one sequence of "
                                                  r"max_model_len=128; raise num_gpu_blocks to >= 8"),
     (dict(kv_cache_memory_bytes=100), r"the KV pool would have no blocks"),

@@ -11,6 +11,12 @@ rounding downstream turns into different tokens. What keeps a row's numbers its 
     row_tiled(dot, x)   dot(x[M, K]) -> [M, F] with every float32 dot over exactly ROW_TILE rows (M = 1
                         padded to 2): XLA:CPU's kernel for 2-32 rows sums each row alike whatever the rows
 
+    consistent_jit(f)   jax.jit(f) compiled with XLA:CPU's platform-dependent math off: no approximate
+                        reciprocals or square roots in vector bodies beside exact ones in loop tails (which
+                        rows land in a tail depends on how many there are), and YNNPACK dots in its
+                        "consistent arithmetic" mode (no fast path that rounds unlike its other paths;
+                        tiling fixed, not read off the CPU's cache sizes)
+
 bf16 x bf16 -> float32 and int8 x int8 -> int32 dots of 2 rows and more, and batched dots of a fixed
 per-batch shape, are already invariant there (tests/test_batch_invariance.py checks each of these).
 """
@@ -23,6 +29,14 @@ import jax
 import jax.numpy as jnp
 
 ROW_TILE = 32
+CONSISTENT_MATH = {"xla_cpu_enable_platform_dependent_math": False}
+
+
+def consistent_jit(fn: Callable | None = None, **kwargs):
+    """`jax.jit(fn, **kwargs)` with `CONSISTENT_MATH` (an XLA:CPU option; other backends ignore it)."""
+    if fn is None:
+        return lambda f: consistent_jit(f, **kwargs)
+    return jax.jit(fn, compiler_options=CONSISTENT_MATH, **kwargs)
 
 
 def row_sum(x: jax.Array, keepdims: bool = False) -> jax.Array:

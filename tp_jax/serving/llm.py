@@ -67,7 +67,8 @@ class LLM:
         from tp_jax.loaders.sources import is_gguf, open_checkpoint
         self.model_path = default_model_path() if args.model is None else args.model
         args = dataclasses.replace(args, model=self.model_path)
-        agree("the LLM arguments", {k: repr(v) for k, v in args.non_defaults().items()})
+        agree("the LLM arguments", {k: v if isinstance(v, (bool, int, float, str)) else repr(v)
+                                    for k, v in args.non_defaults().items()})
         self.mesh = build_mesh(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
                                args.devices)
         checkpoint = open_checkpoint(self.model_path)

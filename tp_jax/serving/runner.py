@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tp_jax.models.cache import KVCache, PagedBatch
 from tp_jax.multihost.distributed import to_global, to_host
+from tp_jax.parallel.invariant import consistent_jit
 from tp_jax.parallel.mesh import DP
 from tp_jax.serving import prompt_logprobs, sampling
 from tp_jax.serving.batch import StepShape, unpack
@@ -64,7 +65,7 @@ class ModelRunner:
                                out_specs=(P(DP), POOL_SPEC, POOL_SPEC, *extra), check_vma=False)
             return fn(weights, packed, k, v, *prompt)
 
-        self._forward = jax.jit(sharded, donate_argnums=(2, 3), static_argnames=("shape", "prompt_k"))
+        self._forward = consistent_jit(sharded, donate_argnums=(2, 3), static_argnames=("shape", "prompt_k"))
 
     def put(self, x, spec=P(DP)):
         return to_global(x, NamedSharding(self.mesh, spec))
@@ -126,20 +127,20 @@ def _tensors(floats, ints) -> tuple[SamplingTensors, jax.Array]:
     return SamplingTensors.from_rows(f, i[:, 0], words), i[:, 1]
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+@consistent_jit(static_argnames=("num_logprobs",))
 def _greedy(logits, *, num_logprobs):
     tokens, lp = sampling.greedy(logits.reshape(-1, logits.shape[-1]), num_logprobs=num_logprobs)
     return _pack(logits.shape[0], tokens, lp)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+@consistent_jit(static_argnames=("num_logprobs",))
 def _sample(logits, floats, ints, *, num_logprobs):
     t, steps = _tensors(floats, ints)
     tokens, lp = sampling.sample(logits.reshape(-1, logits.shape[-1]), t, steps, num_logprobs=num_logprobs)
     return _pack(logits.shape[0], tokens, lp)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",), donate_argnames=("counts",))
+@consistent_jit(static_argnames=("num_logprobs",), donate_argnames=("counts",))
 def _sample_penalized(logits, floats, ints, mask, counts, *, num_logprobs):
     t, steps = _tensors(floats, ints)
     rows = ints.reshape(-1, ints.shape[-1])[:, 2]

@@ -197,6 +197,8 @@ def test_script_end_to_end_tp8(tokenized):
     ids = AutoTokenizer.from_pretrained(tokenized)("Hello there").input_ids
     assert out["token_ids"] == hf_greedy(tokenized, ids, 10)
     assert "decode" in r.stderr and "time to first token" in r.stderr
+    assert "Initializing an engine with config:" in r.stderr and "  batch_invariant = yes" in r.stderr   # logged once
+    assert r.stderr.count("Initializing an engine") == 1
 
 
 def test_generation_config_eos_ids_end_generation(hf_refs, tmp_path):

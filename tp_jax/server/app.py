@@ -42,12 +42,12 @@ _EXPECTED = {"prompt": "a string, a list of strings, a list of token ids, or a l
 
 def create_app(aengine, tokenizer, *, model_names: list[str], max_model_len: int, api_key: str | None = None,
                model_root: str | None = None, shutdown_timeout_s: float = 5.0,
-               tool_parser: str | None = None, structured_defaults: dict | None = None) -> FastAPI:
+               tool_parser: str | None = None) -> FastAPI:
     """The app over a running AsyncLLMEngine; it shuts the engine down when the server stops.
-    `tool_parser`: how tool_choice "auto" reads the model's calls (tp_jax/server/tools.py PARSERS);
-    `structured_defaults`: StructuredOutputsParams options every constrained answer gets."""
+    `tool_parser`: how tool_choice "auto" reads the model's calls (tp_jax/server/tools.py PARSERS). The engine's
+    structured-output defaults (EngineArgs.structured_outputs_config) are applied by the engine itself."""
     metrics = ServerMetrics(aengine)
-    handler = Handler(aengine, tokenizer, model_names, max_model_len, metrics, tool_parser, structured_defaults)
+    handler = Handler(aengine, tokenizer, model_names, max_model_len, metrics, tool_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

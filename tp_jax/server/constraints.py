@@ -116,10 +116,3 @@ class ConstraintError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
         self.param = param
-
-
-def with_defaults(params: StructuredOutputsParams, defaults: dict) -> StructuredOutputsParams:
-    """The server's option defaults (--structured-outputs-config) switched on where a request left them off."""
-    import dataclasses
-    on = {k: True for k, v in defaults.items() if v and not getattr(params, k)}
-    return dataclasses.replace(params, **on) if on else params

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 import time
@@ -83,6 +84,9 @@ def run(args) -> int:
                             stop=args.stop, stop_token_ids=args.stop_token_id,
                             ignore_eos=args.ignore_eos, logprobs=args.logprobs)
     stats = GenerationStats()
+    if is_driver() and not logging.getLogger().handlers:         # the resolved configuration, once, on stderr
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        logging.getLogger("tp_jax.config").setLevel(logging.INFO)
     t = time.perf_counter()
     llm = build_llm(args, args.model)
     stats.load_s = time.perf_counter() - t

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from tp_jax.server.echo import join, prompt_logprobs_field, prompt_part
 from tp_jax.server.metrics import ServerMetrics
 from tp_jax.server.protocol import ChatCompletionRequest, CompletionRequest, requested_logprobs, sampling_params
-from tp_jax.server.constraints import request_constraint, with_defaults
+from tp_jax.server.constraints import request_constraint
 from tp_jax.server.tools import ToolMode, ToolStream, for_template
 from tp_jax.server.responses import ChoiceDelta, Delta, Tokens, chat_logprobs, completion_logprobs, usage
 from tp_jax.serving.llm_engine import PreparedRequest
@@ -66,10 +66,9 @@ class Job:
 
 class Handler:
     def __init__(self, aengine, tokenizer, model_names: list[str], max_model_len: int, metrics: ServerMetrics,
-                 tool_parser: str | None = None, structured_defaults: dict | None = None):
+                 tool_parser: str | None = None):
         self.aengine, self.tokenizer, self.names = aengine, tokenizer, list(model_names)
         self.tool_parser = tool_parser                # tools.PARSERS key for tool_choice "auto", or None
-        self.structured_defaults = dict(structured_defaults or {})     # e.g. {"disable_any_whitespace": True}
         self.max_model_len, self.metrics = max_model_len, metrics
         self.tokens = Tokens(tokenizer)
         self.active: set[str] = set()                # engine request ids in flight
@@ -140,8 +139,6 @@ class Handler:
         constraint = None
         try:
             constraint = request_constraint(req, None if tools is None else tools.constraint())
-            if constraint is not None and self.structured_defaults:
-                constraint = (constraint[0], with_defaults(constraint[1], self.structured_defaults))
             params = sampling_params(req, max_tokens, constraint and constraint[1])
         except ValueError as e:
             raise APIError(400, str(e).removeprefix("SamplingParams: "), param=getattr(e, "param", None)) from None

@@ -123,7 +123,7 @@ def serve(llm, sock: socket.socket, names: list[str], args) -> None:
     aengine = AsyncLLMEngine(llm.engine)
     app = create_app(aengine, tokenizer, model_names=names, max_model_len=llm.max_model_len, api_key=args.api_key,
                      model_root=llm.model_path, shutdown_timeout_s=ENGINE_STOP_S,
-                     tool_parser=args.tool_call_parser, structured_defaults=llm.structured_outputs_config)
+                     tool_parser=args.tool_call_parser)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_access_log,
                             timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + BACKSTOP_S, lifespan="on")
     host, port = sock.getsockname()[:2]

@@ -55,9 +55,10 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
-        so = params.structured_outputs
-        if so is not None and any(not getattr(so, k) for k in self.structured_defaults):
-            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(so, **self.structured_defaults))
+        so = params.structured_outputs                  # the engine's option defaults, on where a request left them off
+        on = {k: True for k, v in self.structured_defaults.items() if v and so is not None and not getattr(so, k)}
+        if on:
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(so, **on))
         text, ids = parse_prompt(prompt, self.tokenizer, where)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{where}: stop strings need a tokenizer, and this model has none; use stop_token_ids")

@@ -337,6 +337,19 @@ def test_smollm2_tokenizer():
     assert chat.startswith("<|im_start|>system\n")
 
 
+def test_tokenizer_without_torch_is_a_clear_error():
+    """transformers reads a GGUF's tokenizer through torch: without torch, a GGUFError naming the fix."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from tp_jax.loaders.gguf import GGUFError, load_gguf_tokenizer\n"
+            f"try:\n    load_gguf_tokenizer({_smollm2_path()!r})\n"
+            "except GGUFError as e:\n    print('GGUFError:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "GGUFError:" in r.stdout, r.stderr[-2000:]
+    assert "needs torch" in r.stdout and "pip install torch==2.13.0" in r.stdout
+
+
 @pytest.mark.slow
 def test_convert_round_trip(smollm2_converted, hf_model):
     import torch

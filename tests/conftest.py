@@ -39,8 +39,15 @@ def mesh(request):
     return mesh_for(*request.param)
 
 
+def machine() -> str:
+    from tp_jax.parallel.layers.quantization import cpu_flags
+    simd = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
+    return f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform}; cpu: {os.cpu_count()} " \
+           f"cores, {simd or 'no AVX'}"
+
+
 def pytest_report_header(config):
-    return f"jax {jax.__version__}, devices: {len(jax.devices())} x {jax.devices()[0].platform}"
+    return machine()
 
 
 # --- the real SmolLM2-135M-Instruct, shared by the tests that need it ------------------------
@@ -104,4 +111,4 @@ def pytest_terminal_summary(terminalreporter):
     for path, secs in rows[:15]:
         flag = "  OVER BUDGET" if secs > FILE_BUDGET_S else ""
         terminalreporter.write_line(f"{secs:8.1f} s  {path}{flag}")
-    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all ({len(rows)} files)")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all ({len(rows)} files); {machine()}")

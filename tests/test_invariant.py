@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tp_jax.parallel.invariant import ROW_TILE, row_mean, row_sum, row_tiled
+from tp_jax.parallel.invariant import ROW_TILE, consistent_jit, row_log_softmax, row_mean, row_softmax, row_sum, row_tiled
 
 ROWS = (1, 2, 3, 8, 24, 32, 48, 64, 96, 256)
 
@@ -35,6 +35,19 @@ def test_row_mean_is_invariant_and_close_to_the_mean(width):
     assert differing(row_results(f, width)) == []
     x = np.random.default_rng(1).standard_normal((5, width)).astype(np.float32)
     np.testing.assert_allclose(np.asarray(row_sum(jnp.asarray(x))), x.astype(np.float64).sum(-1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("width", [8, 1000, 49152])
+def test_row_softmax_and_log_softmax_are_invariant_and_equal_jax_nn(width):
+    """The sampler's logprobs and the MoE router's weights (inside the engine's program, jax.nn.log_softmax moved a
+    logprob's last bit with the step's rows: tests/test_batch_invariance.py)."""
+    for ours, theirs in [(row_softmax, jax.nn.softmax), (row_log_softmax, jax.nn.log_softmax)]:
+        f = consistent_jit(lambda x: ours(4 * x))
+        assert differing(row_results(f, width)) == []
+        x = 4 * np.random.default_rng(5).standard_normal((3, width)).astype(np.float32)
+        x[0, : width // 2] = -np.inf                                                   # masked entries
+        np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), np.asarray(theirs(jnp.asarray(x))),
+                                   rtol=1e-6, atol=1e-6)
 
 
 def test_row_tiled_float32_dot_is_invariant():

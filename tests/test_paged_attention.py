@@ -19,6 +19,7 @@ import pytest
 from tp_jax.models.attention import attend, write_pool
 from tp_jax.models.cache import LayerCache, PagedBatch
 from tp_jax.serving.batch import split_decode_rows
+from tp_jax.parallel.invariant import consistent_jit
 
 BS, NB, HKV, G, HD = 4, 24, 2, 3, 8
 
@@ -189,7 +190,7 @@ def test_chunked_attention_is_the_same_whatever_the_step():
     hkv, g, hd = 2, 3, 16
     q0 = rng.standard_normal((hkv * g, hd)).astype(np.float32)
     k0, v0 = (rng.standard_normal((hkv, 512, hd)).astype(np.float32) for _ in range(2))
-    f = jax.jit(lambda q, k, v, qp: chunked_attention(q, k, v, qp, 0.25, window=None))
+    f = consistent_jit(lambda q, k, v, qp: chunked_attention(q, k, v, qp, 0.25, window=None))   # as the engine compiles it
     outs = []
     for rows, width, tile in [(1, 64, 1), (3, 128, 1), (12, 256, 1), (5, 512, 4), (2, 96, 16)]:
         q = rng.standard_normal((rows, tile, hkv * g, hd)).astype(np.float32)

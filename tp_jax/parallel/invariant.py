@@ -8,14 +8,22 @@ rounding downstream turns into different tokens. What keeps a row's numbers its 
     row_sum(x)          sum over the last axis in an order fixed by its length alone (a halving tree of
                         element-wise adds, which compute each element alike whatever the shape)
     row_mean(x)         row_sum / length
+    row_softmax(x)      softmax / log-softmax over the last axis with row_sum's order (jax.nn's sum
+    row_log_softmax(x)  their exponentials in an order that changed a logprob's last bit with the rows)
     row_tiled(dot, x)   dot(x[M, K]) -> [M, F] with every float32 dot over exactly ROW_TILE rows (M = 1
                         padded to 2): XLA:CPU's kernel for 2-32 rows sums each row alike whatever the rows
 
-    consistent_jit(f)   jax.jit(f) compiled with XLA:CPU's platform-dependent math off: no approximate
-                        reciprocals or square roots in vector bodies beside exact ones in loop tails (which
-                        rows land in a tail depends on how many there are), and YNNPACK dots in its
-                        "consistent arithmetic" mode (no fast path that rounds unlike its other paths;
-                        tiling fixed, not read off the CPU's cache sizes)
+    consistent_jit(f)   jax.jit(f) compiled with three XLA:CPU options (CONSISTENT_MATH):
+                        platform-dependent math off: no approximate reciprocals or square roots in vector
+                        bodies beside exact ones in loop tails (which rows land in a tail depends on how many
+                        there are), and YNNPACK dots in their "consistent arithmetic" mode;
+                        the MLIR fusion emitters off (the classic loop emitter instead): with them, a decode
+                        row's float32 numbers on the embedded SmolLM2 moved by ~3e-6 in a logprob when a
+                        prefill shared its step, and by 3e-2 once the default's bf16 rounding carried them;
+                        YNNPACK given each dot alone, not whole graphs of a dot's neighbours: its fused
+                        exp(x - max(x)) gave a row other bits beside 2 or more rows at widths 32 to 1024
+                        (tests/test_invariant.py). With all three not a bit moves in the engine's tests
+                        (tests/test_batch_invariance.py), at no measured cost in decode speed
 
 bf16 x bf16 -> float32 and int8 x int8 -> int32 dots of 2 rows and more, and batched dots of a fixed
 per-batch shape, are already invariant there (tests/test_batch_invariance.py checks each of these).
@@ -29,7 +37,8 @@ import jax
 import jax.numpy as jnp
 
 ROW_TILE = 32
-CONSISTENT_MATH = {"xla_cpu_enable_platform_dependent_math": False}
+CONSISTENT_MATH = {"xla_cpu_enable_platform_dependent_math": False, "xla_cpu_use_fusion_emitters": False,
+                   "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
 def consistent_jit(fn: Callable | None = None, **kwargs):
@@ -53,6 +62,18 @@ def row_sum(x: jax.Array, keepdims: bool = False) -> jax.Array:
 
 def row_mean(x: jax.Array, keepdims: bool = False) -> jax.Array:
     return row_sum(x, keepdims) / x.shape[-1]
+
+
+def row_softmax(x: jax.Array) -> jax.Array:
+    """`jax.nn.softmax(x, axis=-1)`, its sum taken by `row_sum` (-inf entries: 0; a row's maximum is exact)."""
+    e = jnp.exp(x - jax.lax.stop_gradient(x.max(-1, keepdims=True)))
+    return e / row_sum(e, keepdims=True)
+
+
+def row_log_softmax(x: jax.Array) -> jax.Array:
+    """`jax.nn.log_softmax(x, axis=-1)`, its sum taken by `row_sum`."""
+    shifted = x - jax.lax.stop_gradient(x.max(-1, keepdims=True))
+    return shifted - jnp.log(row_sum(jnp.exp(shifted), keepdims=True))
 
 
 def row_tiled(dot: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:

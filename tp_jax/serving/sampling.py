@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tp_jax.parallel.invariant import row_log_softmax, row_softmax
 from tp_jax.serving.structured import StructuredOutputsParams
 
 SAMPLING_EPS = 1e-5   # vLLM's _SAMPLING_EPS: temperature below it means greedy
@@ -218,7 +219,7 @@ def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     k = jnp.where((top_k <= 0) | (top_k > v), v, top_k)
     kth = jnp.take_along_axis(asc, (v - k)[:, None], axis=-1)                   # [B, 1]
     asc = jnp.where(asc >= kth, asc, -jnp.inf)
-    cum = jnp.cumsum(jax.nn.softmax(asc, axis=-1), axis=-1)
+    cum = jnp.cumsum(row_softmax(asc), axis=-1)
     drop = (cum <= 1 - top_p[:, None]).at[:, -1].set(False)                    # a prefix
     pth = jnp.take_along_axis(asc, drop.sum(-1)[:, None], axis=-1)             # [B, 1]
     return jnp.where(x >= jnp.maximum(kth, pth), x, -jnp.inf)
@@ -236,7 +237,7 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     x = (logits - logits.max(-1, keepdims=True)) / temp
     top_k, top_p = jnp.where(greedy, 0, t.top_k), jnp.where(greedy, 1.0, t.top_p)
     x = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), _top_k_top_p, lambda x, *_: x, x, top_k, top_p)
-    probs = jax.nn.softmax(x, axis=-1)
+    probs = row_softmax(x)
     min_p = jnp.where(greedy, 0.0, t.min_p)[:, None]
     return jnp.where(probs < min_p * probs.max(-1, keepdims=True), -jnp.inf, x)
 
@@ -275,7 +276,7 @@ def sample(logits: jax.Array, tensors: SamplingTensors, step: int | jax.Array = 
     penalized logits. Penalties apply when `prompt_mask` or `output_counts` is given.
     """
     logits = mask_padding(logits)                                              # [B, V]
-    raw = jax.nn.log_softmax(logits, axis=-1)
+    raw = row_log_softmax(logits)
     if prompt_mask is not None or output_counts is not None:
         prompt_mask = jnp.zeros(logits.shape, bool) if prompt_mask is None else prompt_mask
         output_counts = jnp.zeros(logits.shape, jnp.int32) if output_counts is None else output_counts
@@ -295,7 +296,7 @@ def greedy(logits: jax.Array, num_logprobs: int = 0) -> tuple[jax.Array, TokenLo
     """`sample` for a batch whose rows are all greedy and unpenalized: argmax, no PRNG, no sort."""
     logits = mask_padding(logits)
     tokens = argmax(logits)
-    return tokens, _logprobs(jax.nn.log_softmax(logits, axis=-1), tokens, num_logprobs)
+    return tokens, _logprobs(row_log_softmax(logits), tokens, num_logprobs)
 
 
 def _logprobs(raw: jax.Array, tokens: jax.Array, n: int) -> TokenLogprobs:

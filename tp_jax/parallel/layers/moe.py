@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from tp_jax.parallel import collectives
+from tp_jax.parallel.invariant import row_softmax
 from tp_jax.parallel.layers.base import ParallelModule, check_tp_size, default_kernel_init
 from tp_jax.parallel.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tp_jax.parallel.layers.loading import ExpertParam, PartRows, ShardedParam, contiguous_rows
@@ -274,7 +275,7 @@ class FusedMoE(nnx.Module):
             logits = jnp.dot(x, self.gate.kernel[...], preferred_element_type=jnp.float32)
         else:
             logits = self.gate.method.apply(self.gate, x).astype(jnp.float32)
-        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.top_k)
+        weights, experts = jax.lax.top_k(row_softmax(logits), self.top_k)
         if self.renormalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return experts.astype(jnp.int32), weights

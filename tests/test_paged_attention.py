@@ -18,8 +18,8 @@ import pytest
 
 from tp_jax.models.attention import attend, write_pool
 from tp_jax.models.cache import LayerCache, PagedBatch
-from tp_jax.serving.batch import split_decode_rows
 from tp_jax.parallel.invariant import consistent_jit
+from tp_jax.serving.batch import split_decode_rows
 
 BS, NB, HKV, G, HD = 4, 24, 2, 3, 8
 

@@ -8,8 +8,8 @@ rounding downstream turns into different tokens. What keeps a row's numbers its 
     row_sum(x)          sum over the last axis in an order fixed by its length alone (a halving tree of
                         element-wise adds, which compute each element alike whatever the shape)
     row_mean(x)         row_sum / length
-    row_softmax(x)      softmax / log-softmax over the last axis with row_sum's order (jax.nn's sum
-    row_log_softmax(x)  their exponentials in an order that changed a logprob's last bit with the rows)
+    row_softmax(x)      softmax / log-softmax over the last axis, the exponentials summed by row_sum
+    row_log_softmax(x)  (inside the engine's step, jax.nn's sum moved a logprob's last bit with the rows)
     row_tiled(dot, x)   dot(x[M, K]) -> [M, F] with every float32 dot over exactly ROW_TILE rows (M = 1
                         padded to 2): XLA:CPU's kernel for 2-32 rows sums each row alike whatever the rows
 

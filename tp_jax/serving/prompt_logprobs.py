@@ -92,7 +92,7 @@ def compute(model, h: jax.Array, packed: jax.Array, k: int) -> jax.Array:
     q = packed.shape[1] // 2
     index, target = packed[:, :q], packed[:, q:]
     hq = jnp.take_along_axis(h, index[..., None], axis=1)                       # [G, Q, D]
-    lp = row_log_softmax(mask_padding(model.logits(hq)))            # [G, Q, V] f32
+    lp = row_log_softmax(mask_padding(model.logits(hq)))                        # [G, Q, V] f32
     chosen = jnp.take_along_axis(lp, target[..., None], axis=-1)                # [G, Q, 1]
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
     parts = [bits(chosen)]

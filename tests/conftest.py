@@ -1,7 +1,7 @@
 """8 simulated CPU devices for every test, set before jax starts (see docs/running.md).
 
 NPROC >= 2 x devices avoids the XLA:CPU collective deadlock on 2-core machines; the
-collective timeout turns any remaining hang into a fast failure.
+collective timeout turns any remaining hang into a fast failure; LLVM compiles at -O0 (below).
 """
 
 import os
@@ -12,6 +12,15 @@ if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
 if "collective_call_terminate_timeout" not in _flags:
     _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=60"
+# The flags a user's run has (XLA's default LLVM level, -O3): what `default_compile` tests run under, below.
+USER_XLA_FLAGS = os.environ.setdefault("TP_JAX_USER_XLA_FLAGS", _flags.strip())    # xdist workers: as set here
+# Everything else with LLVM at -O0: compiling was 71% of the suite's time and -O0 cuts XLA:CPU's backend compile
+# ~3x (the optimized HLO, its fusions and library dots are the same; the loops run slower). Not the numbers
+# bit for bit: XLA lets LLVM fuse a multiply-add where it finds one, and below -O3 a float32 tp = 2 logprob moved
+# by 1 ulp with the rows beside it, so the batch-invariance tests run at -O3 (docs/running.md)
+IN_CHILD = "TP_JAX_TEST_DEFAULT_COMPILE"
+if "xla_backend_optimization_level" not in _flags and not os.environ.get(IN_CHILD):
+    _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the KV pools of the many models a session loads: at most 512 MiB each by default (see kv_pool.py)
@@ -20,10 +29,36 @@ os.environ.setdefault("TP_JAX_TOKENIZER_CACHE", __import__("tempfile").mkdtemp(p
 # JAX's persistent compilation cache (on by default in LLM) in a directory of this session, never ~/.cache
 os.environ.setdefault("TP_JAX_COMPILE_CACHE", __import__("tempfile").mkdtemp(prefix="tp_jax_xla_"))
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from tp_jax.parallel.mesh import make_mesh  # noqa: E402
+
+# --- tests that must compile as a user's run does: each in a child pytest under USER_XLA_FLAGS -------------
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "default_compile: runs in a child process at XLA's default LLVM level, "
+                                       "not the suite's -O0 (numbers that must hold bit for bit as users compile)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker("default_compile") is None or os.environ.get(IN_CHILD) \
+            or USER_XLA_FLAGS == os.environ["XLA_FLAGS"]:
+        return None
+    env = {**os.environ, IN_CHILD: "1", "XLA_FLAGS": USER_XLA_FLAGS}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:xdist", pyfuncitem.nodeid],
+                         env=env, cwd=str(pyfuncitem.config.rootpath), capture_output=True, text=True)
+    print(run.stdout[-4000:])
+    if run.returncode != 0:
+        pytest.fail(f"{pyfuncitem.nodeid} failed in its child process (XLA_FLAGS={USER_XLA_FLAGS!r}):\n"
+                    f"{run.stdout[-8000:]}{run.stderr[-2000:]}", pytrace=False)
+    return True
+
 
 # (dp, pp, tp) shapes for layer tests: tp in {1, 2, 4, 8}, and tp = 3 on 6 devices (dp = 2).
 TP_MESHES = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 1, 3)]
@@ -96,11 +131,31 @@ from tests.server_process import client, ref, tiny_path, tiny_server  # noqa: E4
 # --- each test file's time, reported at the end of every run (CI's log) against its budget ---------------
 FILE_BUDGET_S = 240            # a file over this is listed as over budget: split it or share its fixtures
 _FILE_SECONDS: dict[str, float] = {}
+_COMPILE_SECONDS: dict[str, float] = {}      # of which: JAX tracing, lowering and XLA compiling (jax.monitoring)
+_COMPILING = [0.0]                           # this process's compile seconds not yet attached to a report
+
+
+def _count_compile(event: str, duration: float, **_):
+    if event.startswith("/jax/core/compile/"):
+        _COMPILING[0] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Runs where the test runs (an xdist worker): the compile seconds travel in the report to the controller."""
+    outcome = yield
+    outcome.get_result().user_properties.append(("compile_s", _COMPILING[0]))
+    _COMPILING[0] = 0.0
 
 
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::", 1)[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+    compiled = sum(v for k, v in report.user_properties if k == "compile_s")
+    _COMPILE_SECONDS[path] = _COMPILE_SECONDS.get(path, 0.0) + compiled
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -110,5 +165,6 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", f"seconds per test file (budget {FILE_BUDGET_S} s each)")
     for path, secs in rows[:15]:
         flag = "  OVER BUDGET" if secs > FILE_BUDGET_S else ""
-        terminalreporter.write_line(f"{secs:8.1f} s  {path}{flag}")
-    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all ({len(rows)} files); {machine()}")
+        terminalreporter.write_line(f"{secs:8.1f} s  {path}  ({_COMPILE_SECONDS.get(path, 0.0):.0f} s compiling){flag}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all ({len(rows)} files; "
+                                f"{sum(_COMPILE_SECONDS.values()):.0f} s compiling); {machine()}")

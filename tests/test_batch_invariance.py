@@ -20,6 +20,10 @@ import pytest
 from tests.quant_models import write_tiny_gguf
 from tp_jax import LLM, SamplingParams
 
+# each test in a child process with a user's XLA flags: below LLVM -O3 (the suite's -O0, tests/conftest.py) a
+# float32 tp = 2 logprob moved by 1 ulp with its neighbours
+pytestmark = pytest.mark.default_compile
+
 PROBES = 3
 MIX = 24
 

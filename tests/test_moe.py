@@ -91,13 +91,18 @@ def reference(request):
     return request.param, cfg, hf_tensors(m), x, y
 
 
-# (dp, tp): two meshes in the quick run (each with some of the dispatches), the rest marked slow (all of them)
-MESHES = [(2, 2), (1, 8)] + [pytest.param(*m, marks=pytest.mark.slow) for m in [(1, 1), (1, 2), (4, 2), (2, 4)]]
+# (dp, tp): two meshes in the quick run (each with some of the dispatches), the rest marked slow (all of them);
+# every mesh on the richest block (Qwen2-MoE: top-3 of 7, a shared expert), the others, whose code differs only
+# in the router and the shared expert, on the two quick meshes
 QUICK_DISPATCHES = {(2, 2): ("gather", "ragged"), (1, 8): ("dense", "gather")}
+GRID_KIND = "qwen2_moe"
+CASES = [pytest.param(kind, *m, marks=() if m in QUICK_DISPATCHES else pytest.mark.slow, id=f"{kind}-{m}")
+         for kind in KINDS for m in [(2, 2), (1, 8), (1, 1), (1, 2), (4, 2), (2, 4)]
+         if kind == GRID_KIND or m in QUICK_DISPATCHES]
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp_layout", "ep"])
-@pytest.mark.parametrize("dp,tp", MESHES, ids=lambda v: str(v))
+@pytest.mark.parametrize("reference,dp,tp", CASES, indirect=["reference"])
 def test_block_matches_transformers(reference, dp, tp, ep):
     kind, cfg, tensors, x, want = reference
     mesh = mesh_for(dp, 1, tp)

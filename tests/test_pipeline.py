@@ -17,8 +17,8 @@ from tp_jax.serving.sampling import SamplingParams
 
 MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2),
           (4, 2, 1), (8, 1, 1)]
-# continuous batching runs on these: tp alone, dp alone, pp with dp, pp with tp, all three together
-WORKLOAD_MESHES = {(1, 1, 8), (1, 4, 2), (2, 2, 2), (4, 2, 1), (8, 1, 1)}
+# continuous batching runs on these: dp alone, pp with tp, all three together (tp alone: test_serving.py)
+WORKLOAD_MESHES = {(1, 4, 2), (2, 2, 2), (8, 1, 1)}
 PROMPTS = [[5, 17, 300, 42, 9], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [999, 3]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 

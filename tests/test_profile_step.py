@@ -1,12 +1,15 @@
 """scripts/profile_step.py: the kinds it reads from compiled HLO, and one profiled decode step of the default model."""
 
 import json
+import os
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
+
+from tests.conftest import USER_XLA_FLAGS
 
 sys.path.insert(0, "scripts")
 from profile_step import instruction_kinds  # noqa: E402
@@ -42,8 +45,9 @@ def test_bad_arguments_are_usage_errors():
 def test_a_profiled_decode_step_of_the_default_model():
     """The embedded SmolLM2 at 2 rows: the thunks' kinds add up to their total, the dots are a real share
     (its GEMMs and the LM head), and the top thunks name their einsum."""
+    env = {**os.environ, "XLA_FLAGS": USER_XLA_FLAGS}          # the shares of the program a user compiles
     r = subprocess.run([sys.executable, "scripts/profile_step.py", "--batch", "2", "--tokens", "4", "--repeat", "2"],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["batch"] == 2 and out["forward_ms"] > 0

@@ -16,8 +16,9 @@ if "collective_call_terminate_timeout" not in _flags:
 USER_XLA_FLAGS = os.environ.setdefault("TP_JAX_USER_XLA_FLAGS", _flags.strip())    # xdist workers: as set here
 # Everything else with LLVM at -O0: compiling was 71% of the suite's time and -O0 cuts XLA:CPU's backend compile
 # ~3x (the optimized HLO, its fusions and library dots are the same; the loops run slower). Not the numbers
-# bit for bit: XLA lets LLVM fuse a multiply-add where it finds one, and below -O3 a float32 tp = 2 logprob moved
-# by 1 ulp with the rows beside it, so the batch-invariance tests run at -O3 (docs/running.md)
+# bit for bit: below -O3 a float32 tp = 2 logprob moved by 1 ulp with the rows beside it (the cause, likely
+# where LLVM fuses a multiply and an add, is not confirmed), so the batch-invariance tests run at -O3
+# (docs/running.md)
 IN_CHILD = "TP_JAX_TEST_DEFAULT_COMPILE"
 if "xla_backend_optimization_level" not in _flags and not os.environ.get(IN_CHILD):
     _flags += " --xla_backend_optimization_level=0"

@@ -15,11 +15,11 @@ if "collective_call_terminate_timeout" not in _flags:
 # The flags a user's run has (XLA's default LLVM level, -O3): what `default_compile` tests run under, below.
 USER_XLA_FLAGS = os.environ.setdefault("TP_JAX_USER_XLA_FLAGS", _flags.strip())    # xdist workers: as set here
 # Everything else with LLVM at -O0: compiling was 71% of the suite's time and -O0 cuts XLA:CPU's backend compile
-# ~3x (the optimized HLO, its fusions and library dots are the same; the loops run slower). Not the numbers
-# bit for bit: below -O3 a float32 tp = 2 logprob moved by 1 ulp with the rows beside it (the cause, likely
-# where LLVM fuses a multiply and an add, is not confirmed), so the batch-invariance tests run at -O3
-# (docs/running.md)
-IN_CHILD = "TP_JAX_TEST_DEFAULT_COMPILE"
+# ~3x (the optimized HLO, its fusions and library dots are the same; the loops run slower, so the files that
+# mostly run the real model are marked `llvm_level(1)`). Not the numbers bit for bit: below -O3 a float32
+# tp = 2 logprob moved by 1 ulp with the rows beside it (the cause, likely where LLVM fuses a multiply and an
+# add, is not confirmed), so the batch-invariance tests are `default_compile`, at -O3 (docs/running.md)
+IN_CHILD = "TP_JAX_TEST_CHILD"
 if "xla_backend_optimization_level" not in _flags and not os.environ.get(IN_CHILD):
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
@@ -38,27 +38,105 @@ import pytest  # noqa: E402
 
 from tp_jax.parallel.mesh import make_mesh  # noqa: E402
 
-# --- tests that must compile as a user's run does: each in a child pytest under USER_XLA_FLAGS -------------
+# --- files compiled otherwise: all of a file's tests in one child pytest under other XLA flags ----------------
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "default_compile: runs in a child process at XLA's default LLVM level, "
                                        "not the suite's -O0 (numbers that must hold bit for bit as users compile)")
+    config.addinivalue_line("markers", "llvm_level(n): runs in a child process at LLVM -On (a file whose time is "
+                                       "running its programs more than compiling them)")
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem):
-    if pyfuncitem.get_closest_marker("default_compile") is None or os.environ.get(IN_CHILD) \
-            or USER_XLA_FLAGS == os.environ["XLA_FLAGS"]:
+_CHILD_RESULTS = "TP_JAX_CHILD_RESULTS"        # in a child: the file its tests' outcomes are written to
+
+
+def child_flags(item) -> str | None:
+    """The XLA_FLAGS `item` runs under when they are not this process's (None: it runs here)."""
+    if os.environ.get(IN_CHILD) or "xla_backend_optimization_level" in USER_XLA_FLAGS:     # the user's level rules
         return None
-    env = {**os.environ, IN_CHILD: "1", "XLA_FLAGS": USER_XLA_FLAGS}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:xdist", pyfuncitem.nodeid],
-                         env=env, cwd=str(pyfuncitem.config.rootpath), capture_output=True, text=True)
-    print(run.stdout[-4000:])
-    if run.returncode != 0:
-        pytest.fail(f"{pyfuncitem.nodeid} failed in its child process (XLA_FLAGS={USER_XLA_FLAGS!r}):\n"
-                    f"{run.stdout[-8000:]}{run.stderr[-2000:]}", pytrace=False)
-    return True
+    if item.get_closest_marker("default_compile"):
+        return USER_XLA_FLAGS
+    level = item.get_closest_marker("llvm_level")
+    return f"{USER_XLA_FLAGS} --xla_backend_optimization_level={level.args[0]}" if level else None
+
+
+class ChildRun:
+    """One child pytest for a file's tests under other flags (its fixtures, models and compiled programs shared
+    as in one process), started by the first of them to run: each test's (outcome, failure or skip text) and
+    compile seconds."""
+
+    def __init__(self, nodeids: list[str], flags: str, rootpath):
+        self.nodeids, self.flags, self.rootpath, self.outcomes, self.compile_s = nodeids, flags, rootpath, None, {}
+
+    def outcome(self, nodeid: str) -> tuple[str, str]:
+        if self.outcomes is None:
+            self.outcomes = self._run()
+        return self.outcomes[nodeid]
+
+    def _run(self) -> dict[str, tuple[str, str]]:
+        import json
+        import tempfile
+        with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as results:
+            env = {**os.environ, IN_CHILD: "1", "XLA_FLAGS": self.flags, _CHILD_RESULTS: results.name}
+            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:xdist", *self.nodeids],
+                                 env=env, cwd=str(self.rootpath), capture_output=True, text=True)
+            print(run.stdout[-4000:])
+            found: dict[str, tuple[str, str]] = {}
+            for line in results:                   # a test's phases in order: a failed teardown after a pass fails
+                nodeid, outcome, text, compiled = json.loads(line)
+                self.compile_s[nodeid] = self.compile_s.get(nodeid, 0.0) + compiled
+                if found.get(nodeid, ("passed",))[0] == "passed":
+                    found[nodeid] = (outcome, text)
+        missing = ("failed", f"did not run in its child process (exit {run.returncode}):\n{run.stdout[-6000:]}"
+                             f"{run.stderr[-2000:]}")
+        return {i: found.get(i, missing) for i in self.nodeids}
+
+
+class ChildItem(pytest.Item):
+    """Stands in here for a test that runs in a child: no fixtures set up in this process, the child's outcome."""
+
+    def __init__(self, *, child: ChildRun, **kw):
+        super().__init__(**kw)
+        self.child = child
+
+    def runtest(self):
+        outcome, text = self.child.outcome(self.nodeid)
+        _COMPILING[0] += self.child.compile_s.get(self.nodeid, 0.0)
+        if outcome == "skipped":
+            pytest.skip(text)
+        if outcome != "passed":
+            pytest.fail(f"{self.nodeid} failed in its child process (XLA_FLAGS={self.child.flags!r}):\n{text}",
+                        pytrace=False)
+
+    def reportinfo(self):
+        return self.path, None, self.name
+
+
+@pytest.hookimpl(trylast=True)                 # after -m / -k deselected
+def pytest_collection_modifyitems(session, config, items):
+    runs: dict = {}
+    for k, item in enumerate(items):
+        flags = child_flags(item)
+        if flags is None:
+            continue
+        if (item.path, flags) not in runs:
+            ids = [i.nodeid for i in items if i.path == item.path and child_flags(i) == flags]
+            runs[item.path, flags] = ChildRun(ids, flags, config.rootpath)
+        items[k] = ChildItem.from_parent(item.parent, name=item.name, child=runs[item.path, flags])
+        items[k].own_markers = list(item.iter_markers())
+        items[k].keywords.update(item.keywords)
+
+
+def pytest_runtest_logreport(report):
+    """In a child: each test's outcome, for its `ChildItem` in the parent."""
+    _count_file_seconds(report)
+    if os.environ.get(_CHILD_RESULTS):
+        import json
+        text = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else str(report.longrepr)
+        compiled = sum(v for k, v in report.user_properties if k == "compile_s")
+        with open(os.environ[_CHILD_RESULTS], "a") as f:
+            f.write(json.dumps([report.nodeid, report.outcome, "" if report.passed else text, compiled]) + "\n")
 
 
 # (dp, pp, tp) shapes for layer tests: tp in {1, 2, 4, 8}, and tp = 3 on 6 devices (dp = 2).
@@ -152,7 +230,7 @@ def pytest_runtest_makereport(item, call):
     _COMPILING[0] = 0.0
 
 
-def pytest_runtest_logreport(report):
+def _count_file_seconds(report):
     path = report.nodeid.split("::", 1)[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
     compiled = sum(v for k, v in report.user_properties if k == "compile_s")

@@ -203,7 +203,9 @@ def test_script_end_to_end_tp8(tokenized):
     ids = AutoTokenizer.from_pretrained(tokenized)("Hello there").input_ids
     assert out["token_ids"] == hf_greedy(tokenized, ids, 10)
     assert "decode" in r.stderr and "time to first token" in r.stderr
-    assert "Initializing an engine with config:" in r.stderr and "  batch_invariant = yes" in r.stderr   # logged once
+    from tp_jax.serving.resolve import llvm_level                     # the suite's -O0 (tests/conftest.py): NO
+    said = "yes" if llvm_level() == 3 else "NO: XLA_FLAGS sets --xla_backend_optimization_level="
+    assert "Initializing an engine with config:" in r.stderr and f"  batch_invariant = {said}" in r.stderr  # once
     assert r.stderr.count("Initializing an engine") == 1
 
 

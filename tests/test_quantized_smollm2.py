@@ -18,7 +18,8 @@ from tp_jax.loaders.model import param_bytes_per_device
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+# mostly running the real model, not compiling it: LLVM -O1 (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.llvm_level(1)]
 
 
 @pytest.fixture(scope="module")

@@ -57,8 +57,20 @@ def test_an_explicit_dtype_is_honoured():
 def test_named_choices_win_and_an_opt_in_method_says_it_is_not_batch_invariant():
     s = setup(Platform("cpu", AVX2), GGUF, quantization="w8a8x2_bf16", layer_loop="scan")
     assert (s.quantization, s.layer_loop) == ("w8a8x2_bf16", "scan") and not s.batch_invariant
-    assert "batch_invariant = NO: picks its dot" in s.summary()
+    assert "batch_invariant = NO: w8a8x2_bf16 picks its dot" in s.summary()
     assert setup(Platform("cpu", AVX2), GGUF, quantization="none").quantization is None
+
+
+def test_an_llvm_level_below_xlas_default_is_not_batch_invariant():
+    """Below -O3 a float32 tp = 2 logprob moved by 1 ulp beside other requests (docs/design.md): the
+    configuration says so, whatever the method; the level is the last one XLA_FLAGS names."""
+    from tp_jax.serving.resolve import llvm_level
+    assert (llvm_level(""), llvm_level("--xla_force_host_platform_device_count=8")) == (3, 3)
+    assert llvm_level("--xla_backend_optimization_level=3 --xla_backend_optimization_level=1") == 1
+    s = setup(Platform("cpu", AVX2, llvm_level=0), BF16)
+    assert not s.batch_invariant and "LLVM -O0" in s.summary()
+    assert "batch_invariant = NO: XLA_FLAGS sets --xla_backend_optimization_level=0" in s.summary()
+    assert setup(Platform("gpu", llvm_level=0), BF16).batch_invariant        # an XLA:CPU option only
 
 
 def test_max_model_len_is_resolved_and_checked():

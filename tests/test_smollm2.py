@@ -11,7 +11,8 @@ import pytest
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+# mostly running the real model, not compiling it: LLVM -O1 (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.llvm_level(1)]
 
 TPS = [1, 2, 3, 4, 8]
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "

@@ -15,12 +15,14 @@ The numeric contract (docs/design.md) the rules keep:
 * an explicit dtype is honoured: "float32" is float32 activations, accumulation and attention, a quantized
   checkpoint's weights exactly dequantized inside the dot; only "auto" chooses faster numerics;
 * memory: a quantized checkpoint is held in at most its own bytes (its blocks kept).
+Batch invariance also needs XLA:CPU's default LLVM level: the configuration says NO under a lower one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -38,16 +40,25 @@ class Platform:
     cpu_flags: frozenset[str] = frozenset()
     num_devices: int = 1
     host_memory_bytes: int = 0
+    llvm_level: int = 3                           # XLA:CPU's backend (LLVM) level: XLA_FLAGS' or its default, 3
 
     @classmethod
     def of(cls, mesh) -> Platform:
         from tp_jax.parallel.layers.quantization import cpu_flags
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return cls(mesh.devices.flat[0].platform, cpu_flags(), int(mesh.devices.size), memory)
+        return cls(mesh.devices.flat[0].platform, cpu_flags(), int(mesh.devices.size), memory, llvm_level())
 
     def describe(self) -> str:
         simd = sorted(self.cpu_flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"})
-        return f"{self.backend} x {self.num_devices}" + (f" ({' '.join(simd)})" if self.backend == "cpu" else "")
+        llvm = f", LLVM -O{self.llvm_level}" if self.llvm_level != 3 else ""
+        return f"{self.backend} x {self.num_devices}" + (f" ({' '.join(simd)}{llvm})" if self.backend == "cpu" else "")
+
+
+def llvm_level(flags: str | None = None) -> int:
+    """The last `--xla_backend_optimization_level=N` in XLA_FLAGS (as XLA reads them), else XLA's default 3."""
+    found = re.findall(r"--xla_backend_optimization_level=(\d+)", os.environ.get("XLA_FLAGS", "") if flags is None
+                       else flags)
+    return int(found[-1]) if found else 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +184,17 @@ class EngineSetup:
 
     @property
     def batch_invariant(self) -> bool:
-        return self.quantization not in NOT_BATCH_INVARIANT
+        return self.not_batch_invariant is None
+
+    @property
+    def not_batch_invariant(self) -> str | None:
+        """Why a request's numbers can change beside other requests (None: they cannot)."""
+        if self.quantization in NOT_BATCH_INVARIANT:
+            return f"{self.quantization} {NOT_BATCH_INVARIANT[self.quantization]}"
+        if self.platform.backend == "cpu" and self.platform.llvm_level < 3:
+            return (f"XLA_FLAGS sets --xla_backend_optimization_level={self.platform.llvm_level}: below XLA:CPU's "
+                    f"default 3, a float32 logprob moved by 1 ulp beside other requests")
+        return None
 
     def summary(self) -> str:
         """vLLM's "Initializing an engine with config: ..." with a reason for each decided setting."""
@@ -185,7 +206,7 @@ class EngineSetup:
         for name, s in self.settings.items():
             how = f"auto: {s.rule}" if s.automatic else "named"
             lines.append(f"  {name} = {s.value if s.value is not None else 'none'}  ({how}: {s.why})")
-        invariant = "yes" if self.batch_invariant else f"NO: {NOT_BATCH_INVARIANT[self.quantization]}"
+        invariant = "yes" if self.batch_invariant else f"NO: {self.not_batch_invariant}"
         lines.append(f"  batch_invariant = {invariant}")
         return "\n".join(lines)
 

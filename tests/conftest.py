@@ -129,7 +129,8 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_runtest_logreport(report):
-    """In a child: each test's outcome, for its `ChildItem` in the parent."""
+    """Each report's seconds for the per-file table; in a child also its outcome, for its `ChildItem` in the
+    parent."""
     _count_file_seconds(report)
     if os.environ.get(_CHILD_RESULTS):
         import json

@@ -11,7 +11,8 @@ Tokens and logprobs must be equal, bit for bit: the GEMMs, norms and attention a
 and the engine's programs are compiled with the XLA:CPU options that keep a fused loop's arithmetic independent of
 its shape (`consistent_jit`, tp_jax/parallel/invariant.py; without them a decode row beside a prefill moved by 3e-2
 in a logprob on the real model). A method that switches its dot by the step's rows moves logprobs by ~1e-2:
-`test_the_check_catches_a_method_that_switches_by_rows` runs the same check on `w8a8x2_bf16` and requires it to fail.
+`test_the_check_catches_a_method_that_switches_by_rows` runs the same check on `w8a8x2_bf16` and requires it to fail
+by more than roundoff.
 """
 
 import numpy as np
@@ -20,9 +21,9 @@ import pytest
 from tests.quant_models import write_tiny_gguf
 from tp_jax import LLM, SamplingParams
 
-# each test in a child process with a user's XLA flags: below LLVM -O3 (the suite's -O0, tests/conftest.py) a
-# float32 tp = 2 logprob moved by 1 ulp with its neighbours
-pytestmark = pytest.mark.default_compile
+# the invariance tests run in a child process with a user's XLA flags: below LLVM -O3 (the suite's -O0,
+# tests/conftest.py) a float32 tp = 2 logprob moved by 1 ulp with its neighbours
+user_flags = pytest.mark.default_compile
 
 PROBES = 3
 MIX = 24
@@ -50,13 +51,18 @@ def trace(out):
     return c.token_ids, np.array([lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
 
 
-def differences(llm, longest: int) -> list[str]:
-    """Each probe alone, then the whole mix at once: the probes whose tokens or logprobs differ."""
+def compare(llm, longest: int) -> list[tuple[list[int], np.ndarray, list[int], np.ndarray]]:
+    """Each probe alone, then the whole mix at once: per probe (tokens, logprobs) alone and in the mix."""
     prompts, params = workload(llm.config.vocab_size, longest)
     alone = [trace(llm.generate([prompts[i]], params[i])[0]) for i in range(PROBES)]
     mixed = [trace(o) for o in llm.generate(prompts, params)[:PROBES]]
+    return [(*a, *m) for a, m in zip(alone, mixed)]
+
+
+def differences(llm, longest: int) -> list[str]:
+    """The probes whose tokens or logprobs differ alone and inside the mix."""
     found = []
-    for i, ((ta, la), (tm, lm)) in enumerate(zip(alone, mixed)):
+    for i, (ta, la, tm, lm) in enumerate(compare(llm, longest)):
         if ta != tm:
             first = next((k for k, (a, b) in enumerate(zip(ta, tm)) if a != b), min(len(ta), len(tm)))
             found.append(f"probe {i}: tokens differ from token {first}: alone {ta}, in the mix {tm}")
@@ -84,6 +90,7 @@ def tiny(tmp_path_factory):
     return gguf_path, bf16_dir
 
 
+@user_flags
 @pytest.mark.slow
 def test_default_on_the_embedded_gguf_is_batch_invariant(smollm2_path):
     llm = LLM(smollm2_path, max_model_len=256, num_gpu_blocks=64, **SERVING)
@@ -93,6 +100,7 @@ def test_default_on_the_embedded_gguf_is_batch_invariant(smollm2_path):
     assert llm.engine.core.stats["preemptions"] > 0            # the mix ran out of blocks at least once
 
 
+@user_flags
 @pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
 def test_default_on_a_gguf_is_batch_invariant_on_several_devices(tiny, mesh):
     llm = LLM(tiny[0], max_model_len=128, num_gpu_blocks=24, **MESHES[mesh], **SERVING)
@@ -101,6 +109,7 @@ def test_default_on_a_gguf_is_batch_invariant_on_several_devices(tiny, mesh):
     assert llm.engine.core.stats["preemptions"] > 0 or "data_parallel_size" in MESHES[mesh]   # tp2: preempted
 
 
+@user_flags
 @pytest.mark.parametrize("mesh", ["tp1", *MESHES], ids=["tp1", *MESHES])
 def test_default_on_a_bf16_checkpoint_is_batch_invariant(tiny, mesh):
     llm = LLM(tiny[1], max_model_len=128, num_gpu_blocks=24, **MESHES.get(mesh, {}), **SERVING)
@@ -110,7 +119,9 @@ def test_default_on_a_bf16_checkpoint_is_batch_invariant(tiny, mesh):
 
 def test_the_check_catches_a_method_that_switches_by_rows(tiny):
     """`w8a8x2_bf16` runs int8 dots for a step of a few rows and bf16 dots above: the check must see its probes
-    change beside other requests (here by ~3e-3 in a logprob; the default's stay within ~1e-6)."""
+    change beside other requests, by far more than roundoff (here ~3e-3 in a logprob; the default's stay equal).
+    In this process, at the suite's LLVM -O0 (its 1-ulp moves are below the 1e-4 asked for here)."""
     llm = LLM(tiny[0], quantization="w8a8x2_bf16", max_model_len=128, num_gpu_blocks=24, **SERVING)
     assert not llm.setup.batch_invariant and "NO:" in llm.setup.summary()
-    assert differences(llm, 110) != []
+    moved = [ta != tm or float(np.abs(la - lm).max()) > 1e-4 for ta, la, tm, lm in compare(llm, 110)]
+    assert any(moved), moved

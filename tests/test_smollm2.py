@@ -66,9 +66,21 @@ def check(llm, tok, prompt64, reference):
     return diff
 
 
+@pytest.fixture(scope="module")
+def gguf_llms(smollm2_path):
+    """tp -> the GGUF with its blocks kept (float32 dots), built once for the tests of this file."""
+    built = {}
+
+    def get(tp: int) -> LLM:
+        if tp not in built:
+            built[tp] = LLM(smollm2_path, tensor_parallel_size=tp, quantization="gguf", progress=False)
+        return built[tp]
+    return get
+
+
 @pytest.mark.parametrize("tp", GGUF_TPS)
-def test_gguf_path(smollm2_path, tok, prompt64, reference, tp):
-    llm = LLM(smollm2_path, tensor_parallel_size=tp, quantization="gguf", progress=False)
+def test_gguf_path(gguf_llms, tok, prompt64, reference, tp):
+    llm = gguf_llms(tp)
     diff = check(llm, tok, prompt64, reference)
     print(f"GGUF tp={tp}: max abs logit diff {diff:.2e}")
 
@@ -89,9 +101,9 @@ def test_default_model_and_chat(smollm2_path):
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2          # ended by <|im_end|>
 
 
-def test_cached_decode_matches_full_forward(smollm2_path, tok):
-    """Each generated token's logprob (prefill + cached decode) == log_softmax of the uncached forward."""
-    llm = LLM(smollm2_path, tensor_parallel_size=4, quantization="gguf", progress=False)
+def test_cached_decode_matches_full_forward(gguf_llms, tok):
+    """Each generated token's logprob (prefill + cached decode) == log_softmax of the uncached forward (tp 4)."""
+    llm = gguf_llms(4)
     ids = tok.encode(GREEDY_PROMPTS[0])
     out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1))[0]
     toks = out.outputs[0].token_ids
@@ -104,25 +116,16 @@ def test_cached_decode_matches_full_forward(smollm2_path, tok):
 
 def test_readme_run_command(smollm2_hf, tok):
     """`make generate` runs this: SmolLM2 at tp = 8 on 8 simulated devices, greedy, 32 tokens, the default
-    quantization ("auto"), whose text is transformers' on the weights it holds: on CPU every 2-D weight int8 per
-    output row (W8A8 with two activation digits, ~15 bits: their rounding changes no greedy token here)."""
-    import copy
+    quantization ("auto"), whose text is transformers' float32 on the same file: on CPU the default keeps the GGUF's
+    blocks and dequantizes them exactly inside bf16 dots ("gguf_bf16"; its bf16 roundings change no greedy token
+    here), elsewhere float32 dots."""
     import os
     import subprocess
     import sys
-    import jax
     import torch
-    from tests.quant_models import int8_dequantized
     ids = tok.encode("Once upon a time")
-    model = smollm2_hf
-    if jax.default_backend() == "cpu":
-        model = copy.deepcopy(smollm2_hf)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim == 2:                                          # the linear weights and the (tied) table
-                    p.copy_(torch.from_numpy(int8_dequantized(p.numpy(), np.float32)))
     with torch.no_grad():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=2)
+        ref = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=2)
     expected = tok.decode(ref[0, len(ids):], skip_special_tokens=True)
     r = subprocess.run([sys.executable, "scripts/generate.py", "--simulate-devices", "8", "--tp", "8", "--prompt",
                         "Once upon a time", "--max-tokens", "32"], capture_output=True, text=True, timeout=600,

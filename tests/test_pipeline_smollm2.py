@@ -25,7 +25,9 @@ def smollm2_refs(smollm2_path, smollm2_hf):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,pp,tp", [(1, 2, 4), (2, 2, 2), (1, 4, 2)], ids=lambda v: str(v))
+# the stage paths once on the real dims (pp beside dp and tp; four stages); every (dp, pp, tp) of 8 devices runs
+# on tiny models in tests/test_pipeline.py
+@pytest.mark.parametrize("dp,pp,tp", [(2, 2, 2), (1, 4, 2)], ids=lambda v: str(v))
 def test_smollm2(smollm2_path, smollm2_refs, dp, pp, tp):
     ids, ref, greedy = smollm2_refs
     llm = LLM(smollm2_path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,

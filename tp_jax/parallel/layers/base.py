@@ -10,6 +10,7 @@ method turns that statement into its params and runs the local GEMM.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
@@ -149,11 +150,10 @@ class MethodLayer(ParallelModule):
         method = self.method
         if same_method(switch.peers):
             prepared = method.prepare(a)
-            branches = [lambda p, peer=peer: method.multiply(peer, p) for peer in switch.peers]
-            raw = jax.lax.switch(switch.index, branches, prepared)
+            raw = jax.lax.switch(switch.index, [branch(peer, "multiply") for peer in switch.peers], prepared)
             y = method.finish(self, raw, prepared)
         else:                                                     # layers held by different methods (GGUF types)
-            y = jax.lax.switch(switch.index, [lambda a, p=p: p.method.apply(p, a) for p in switch.peers], a)
+            y = jax.lax.switch(switch.index, [branch(peer, "apply") for peer in switch.peers], a)
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
     def switch_owned(self, peers: Sequence[MethodLayer]) -> tuple[str, ...]:
@@ -210,6 +210,19 @@ class MethodLayer(ParallelModule):
     def weight(self, suffix: str = "") -> jax.Array:
         """This rank's block of the weight's param `weight_name + suffix` (inside shard_map)."""
         return getattr(self, self.weight_name + suffix)[...]
+
+
+def branch(layer: MethodLayer, op: str):
+    """`x -> layer.method.<op>(layer, x)` as a switch branch that takes the layer's params as arguments of a
+    function traced once per (layer structure, method, op): the slots of a switched Stack share it, so a switch
+    over N slots traces its GEMM once, not N times (each new step shape traces the layer loop again)."""
+    graphdef, state = nnx.split(layer)
+    return functools.partial(_traced_branch(graphdef, layer.method, op), state)
+
+
+@functools.lru_cache(maxsize=1024)
+def _traced_branch(graphdef, method: LinearMethod, op: str):
+    return jax.jit(lambda state, x: getattr(method, op)(nnx.merge(graphdef, state), x))
 
 
 def same_method(layers: Sequence[MethodLayer]) -> bool:

@@ -7,6 +7,8 @@
 * `write_tiny_gguf(root)`: a 2-layer llama GGUF whose linear and vocab weights are Q4_1 /
   Q4_0 / Q8_0 blocks (dimensions chosen so every tp in {1, 2, 3, 4, 8} cuts whole 32-element
   blocks), plus the HF checkpoint of its dequantized weights (the reference).
+* `write_truncated_gguf(src, out, layers)`: a published GGUF's first `layers` blocks, every tensor and
+  metadata field copied as stored.
 """
 
 from __future__ import annotations
@@ -120,3 +122,31 @@ def write_tiny_gguf(root: str) -> tuple[str, str, str]:
     # quantization is row-wise, so it commutes with llama.cpp's q/k row permutation
     dequantized_copy(float_dir, deq_dir, lambda name, x: gguf_dequantized(x, _gguf_type(name)))
     return path, float_dir, deq_dir
+
+
+def write_truncated_gguf(src: str, out: str, layers: int) -> str:
+    """A copy of the GGUF `src` with only its first `layers` blocks: the file's own tensors (bytes, types, dims),
+    metadata and tokenizer, its block count set to `layers`. Written once at `out`."""
+    if os.path.isfile(out):
+        return out
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(out, arch)
+    block_count = gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue                                         # written by GGUFWriter itself
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = layers if field.name == block_count else field.contents()
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    kept = [t for t in reader.tensors if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < layers]
+    for t in kept:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in kept:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return out

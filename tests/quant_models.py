@@ -126,9 +126,7 @@ def write_tiny_gguf(root: str) -> tuple[str, str, str]:
 
 def write_truncated_gguf(src: str, out: str, layers: int) -> str:
     """A copy of the GGUF `src` with only its first `layers` blocks: the file's own tensors (bytes, types, dims),
-    metadata and tokenizer, its block count set to `layers`. Written once at `out`."""
-    if os.path.isfile(out):
-        return out
+    metadata and tokenizer, its block count set to `layers`."""
     reader = gguf.GGUFReader(src)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     writer = gguf.GGUFWriter(out, arch)

@@ -4,8 +4,8 @@ rows; greedy and seeded sampling; preemption from a small KV pool; dp replicas),
 
 * the embedded GGUF (`gguf_bf16` on CPU) at tp 1: SmolLM2's own file cut to its first 4 of 30 layers (its tensors,
   dims, Q4_1 / Q8_0 blocks, metadata and tokenizer: the whole model's step programs but for how many slots the
-  layer loop switches over; 96 s at -O3 where the 30 layers took 249 s, both 0.0 difference); a tiny GGUF of
-  the same types at tp 2 and dp 2 x tp 2;
+  layer loop switches over, at a third of the compile time); a tiny GGUF of the same types at tp 2 and
+  dp 2 x tp 2;
 * a float checkpoint stored in bfloat16 ("bf16" dots on one CPU device, float32 on several): a tiny one at tp 1,
   tp 2 and dp 2 x tp 2.
 

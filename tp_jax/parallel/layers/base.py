@@ -214,15 +214,19 @@ class MethodLayer(ParallelModule):
 
 def branch(layer: MethodLayer, op: str):
     """`x -> layer.method.<op>(layer, x)` as a switch branch that takes the layer's params as arguments of a
-    function traced once per (layer structure, method, op): the slots of a switched Stack share it, so a switch
-    over N slots traces its GEMM once, not N times (each new step shape traces the layer loop again)."""
+    function traced once per (layer structure, op); the structure holds the method (static graph data). The slots
+    of a switched Stack share it, so a switch over N slots traces its GEMM once, not N times (each new step shape
+    traces the layer loop again)."""
     graphdef, state = nnx.split(layer)
-    return functools.partial(_traced_branch(graphdef, layer.method, op), state)
+    return functools.partial(_traced_branch(graphdef, op), state)
 
 
 @functools.lru_cache(maxsize=1024)
-def _traced_branch(graphdef, method: LinearMethod, op: str):
-    return jax.jit(lambda state, x: getattr(method, op)(nnx.merge(graphdef, state), x))
+def _traced_branch(graphdef, op: str):
+    def run(state, x):
+        layer = nnx.merge(graphdef, state)
+        return getattr(layer.method, op)(layer, x)
+    return jax.jit(run)
 
 
 def same_method(layers: Sequence[MethodLayer]) -> bool:

@@ -47,8 +47,14 @@ import jax.numpy as jnp
 from tp_jax.parallel.invariant import row_sum
 
 
+def soft_cap(scores: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(scores / cap) (Gemma 2's attention logit soft-capping); the scores as they are when cap is None."""
+    return scores if cap is None else jnp.tanh(scores / cap) * cap
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-              scale: float, window: int | None = None, heads_first: bool = False, dot_dtype=None) -> jax.Array:
+              scale: float, window=None, heads_first: bool = False, dot_dtype=None,
+              softcap: float | None = None) -> jax.Array:
     """softmax(q k^T * scale + mask) v -> [B, T, Hq * hd]; q_pos[B, T], k_pos[S] or [B, S].
 
     k/v[B, S, Hkv, hd], or with `heads_first` [B, Hkv, S, hd] (the pool's rows): the layout both
@@ -61,7 +67,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     hkv = k.shape[1 if heads_first else 2]
     kv = "bksd" if heads_first else "bskd"
     qg = q.reshape(b, t, hkv, hq // hkv, hd)
-    scores = jnp.einsum(f"btkgd,{kv}->bkgts", cast(qg), cast(k), preferred_element_type=jnp.float32) * scale
+    scores = soft_cap(jnp.einsum(f"btkgd,{kv}->bkgts", cast(qg), cast(k), preferred_element_type=jnp.float32)
+                      * scale, softcap)
     k_pos = k_pos if k_pos.ndim == 2 else k_pos[None]
     allowed = k_pos[:, None, :] <= q_pos[:, :, None]                             # [B, T, S]
     if window is not None:
@@ -98,7 +105,7 @@ def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array) -> jax.Arr
 
 
 def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
-                 batch, scale: float, window: int | None, dot_dtype=None) -> jax.Array:
+                 batch, scale: float, window, dot_dtype=None, softcap: float | None = None) -> jax.Array:
     """The D decode rows' attention -> [D, Hq * hd], split-K over the batch's chunks (flash-decoding).
 
     Each chunk (a virtual row: `chunk_tables`, `chunk_row`, `chunk_start`) attends its row's query to
@@ -120,7 +127,8 @@ def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
     allowed = k_pos <= q_pos[:, None]
     if window is not None:
         allowed &= k_pos > q_pos[:, None] - window
-    scores = jnp.einsum("rkgd,rksd->rkgs", cast(q_rows), cast(k), preferred_element_type=jnp.float32) * scale
+    scores = soft_cap(jnp.einsum("rkgd,rksd->rkgs", cast(q_rows), cast(k), preferred_element_type=jnp.float32)
+                      * scale, softcap)
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
     m = scores.max(-1)                                                           # [Rv, Hkv, G]
     seen = jnp.isfinite(m)
@@ -133,11 +141,13 @@ def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
     return (num / den[..., None]).reshape(d, hq * hd).astype(q.dtype)
 
 
+FULL_WINDOW = 1 << 30   # a per-layer window table's entry for a global layer: every earlier key is seen
+
 KEY_CHUNK = 32          # keys per softmax partial in `chunked_attention` (a fixed size: see its docstring)
 
 
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float,
-                      window: int | None = None, dot_dtype=None) -> jax.Array:
+                      window=None, dot_dtype=None, softcap: float | None = None) -> jax.Array:
     """Rows attending their own context, batch-invariantly: q[R, T, Hq, hd] at positions q_pos[R, T] over
     k/v[R, Hkv, S, hd] (the row's positions 0..S-1, heads-first as `gather_rows` gives them) -> [R, T, Hq * hd].
 
@@ -159,8 +169,8 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     kc, vc = (x.reshape(r, hkv, c, KEY_CHUNK, hd) for x in (k, v))
     qg = q.reshape(r, t, hkv, g, hd)
     qc = jnp.broadcast_to(qg.transpose(0, 2, 3, 1, 4)[:, :, None], (r, hkv, c, g, t, hd))   # c a batch dim of
-    scores = jnp.einsum("rkcgtd,rkcsd->rkcgts", cast(qc), cast(kc),                   # both dots: each chunk's
-                        preferred_element_type=jnp.float32) * scale                    # dot has one fixed shape
+    scores = soft_cap(jnp.einsum("rkcgtd,rkcsd->rkcgts", cast(qc), cast(kc),         # both dots: each chunk's
+                                 preferred_element_type=jnp.float32) * scale, softcap)  # dot has one fixed shape
     k_pos = jnp.arange(s).reshape(c, KEY_CHUNK)
     allowed = k_pos[None, :, None, :] <= q_pos[:, None, :, None]                     # [R, C, T, chunk]
     if window is not None:
@@ -186,19 +196,20 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
 
 
 def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
-                    batch, scale: float, window: int | None) -> jax.Array:
+                    batch, scale: float, window, softcap: float | None = None) -> jax.Array:
     """q[N, Hq, hd] (decode rows first, then packed prefill tokens) over the pool -> [N, Hq * hd], float32.
 
     `batch`: one micro-batch's PagedBatch (tp_jax/models/cache.py); prefill_index[P, T] the flat token of each
     prefill row slot (N for padding). Every row reads its whole block table, attended in fixed-size key
     chunks (`chunked_attention`): a row's numbers never depend on the rest of the step.
     """
-    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, _chunked)
+    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
+                  functools.partial(_chunked, softcap=softcap))
 
 
-def _chunked(q, k, v, q_pos, k_pos, scale, window):
+def _chunked(q, k, v, q_pos, k_pos, scale, window, softcap=None):
     """`chunked_attention` with `attention`'s signature (k_pos: the pool rows' positions 0..S-1)."""
-    return chunked_attention(q, k, v, q_pos, scale, window)
+    return chunked_attention(q, k, v, q_pos, scale, window, softcap=softcap)
 
 
 def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn, decode_fn=None):
@@ -222,12 +233,12 @@ def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn,
     return out
 
 
-def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window):
+def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=None):
     """`paged_reference` with the decode rows split-K (`split_decode`) and both dots' operands in bfloat16,
     float32 accumulation: on a CPU with AMX XLA's batched bf16 dots run ~3x its float32 ones."""
     return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
-                  functools.partial(attention, heads_first=True, dot_dtype=jnp.bfloat16),
-                  functools.partial(split_decode, dot_dtype=jnp.bfloat16))
+                  functools.partial(attention, heads_first=True, dot_dtype=jnp.bfloat16, softcap=softcap),
+                  functools.partial(split_decode, dot_dtype=jnp.bfloat16, softcap=softcap))
 
 
 PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "bf16": paged_bf16}
@@ -235,18 +246,21 @@ SPLIT_K_BACKENDS = frozenset({"bf16"})     # they read the decode chunks (build_
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache=None, *, scale: float,
-           window: int | None = None):
+           window=None, softcap: float | None = None):
     """Attention of q[B, T, Hq, hd] over k/v[B, T, Hkv, hd] (cache None) or over the paged pool.
 
-    Returns (out[B, T, Hq * hd], cache), the cache with this step's k and v written.
+    Returns (out[B, T, Hq * hd], cache), the cache with this step's k and v written. `window`: None, an int,
+    or a traced int32 (a layer's own window in a stack whose layers differ; `FULL_WINDOW`: none).
+    `softcap`: Gemma 2's attention logit soft-capping (`soft_cap`), passed to the backend only when set.
     """
     if cache is None:
-        return attention(q, k, v, positions, positions, scale, window), None
+        return attention(q, k, v, positions, positions, scale, window, softcap=softcap), None
     impl = PAGED_BACKENDS[cache.backend]
     batch = cache.batch
     k_pool, v_pool, outs = cache.k, cache.v, []
     for b in range(q.shape[0]):                    # B is 1 inside the pipeline (one micro-batch)
         k_pool = write_pool(k_pool, cache.layer, batch.slots[b], k[b])
         v_pool = write_pool(v_pool, cache.layer, batch.slots[b], v[b])
-        outs.append(impl(q[b], k_pool, v_pool, cache.layer, positions[b], batch.row(b), scale, window))
+        capped = {} if softcap is None else {"softcap": softcap}
+        outs.append(impl(q[b], k_pool, v_pool, cache.layer, positions[b], batch.row(b), scale, window, **capped))
     return jnp.stack(outs), cache.replace(k=k_pool, v=v_pool)

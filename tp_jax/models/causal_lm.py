@@ -1,10 +1,11 @@
 """The one causal-LM shell every model shares, vLLM's composition (vllm/model_executor/models/llama.py).
 
-    h = embed_tokens(ids) (+ embed_positions(positions))   vocab-parallel, one all-reduce (+ replicated)
+    h = embed_tokens(ids) (* sqrt(D)) (+ embed_positions(positions))   vocab-parallel, one all-reduce
     per layer (params stacked on a leading layer axis, run with lax.scan; `DecoderLayer`):
       h += o_proj(attn(qkv_proj(norm(h))))                  QKV column -> local heads -> row (all-reduce)
       h += mlp(norm(h))                                     the config's feed-forward part (all-reduce)
-    logits = lm_head(norm(h))                               vocab-parallel, all-gathered (tied: embed_tokens)
+    logits = lm_head(norm(h))                               vocab-parallel, all-gathered (tied: embed_tokens),
+                                                            soft-capped if `final_softcap`
 
 Everything below runs inside `shard_map` on local shapes. With a paged KV cache
 (tp_jax/models/cache.py) attention writes this step's keys and values into the pool and reads each
@@ -15,11 +16,14 @@ config map, its HF name table and `register(...)`, and its class is `CausalLM` b
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tp_jax.models.attention import soft_cap
 from tp_jax.models.cache import KVCache, KVLayout, run_layers
 from tp_jax.models.decoder import DecoderConfig, DecoderLayer, make_norm
 from tp_jax.parallel.heads import plan_heads
@@ -43,12 +47,17 @@ class DecoderModel(nnx.Module):
         self.layer_map = stage_layer_map(cfg.num_layers, pp)        # stacked slot -> HF layer (-1: identity)
         self.layers = Stack(lambda r: DecoderLayer(cfg, tp, dtype, r), len(self.layer_map), rngs)
         self.norm = make_norm(cfg, d, tp, dtype, rngs)
+        self.embed_scale = math.sqrt(d) if cfg.embed_scale else None
+        self.varies = cfg.layer_types is not None       # layers differ: each is told its index (DecoderLayer)
 
     def __call__(self, ids, positions, cache: KVCache | None = None, microbatches: int = 1):
         h = self.embed_tokens(ids)
+        if self.embed_scale is not None:                # rounded to the dtype first, as transformers does
+            h = h * jnp.asarray(self.embed_scale, h.dtype)
         if self.embed_positions is not None:
             h = h + self.embed_positions(positions)
-        h, cache = run_layers(self.layers, h, positions, cache, microbatches)
+        h, cache = run_layers(self.layers, h, positions, cache, microbatches,
+                              self.layer_map if self.varies else None)
         return self.norm(h), cache
 
 
@@ -89,9 +98,8 @@ class CausalLM(nnx.Module):
         return self.model(ids, positions, cache, microbatches)
 
     def logits(self, h: jax.Array) -> jax.Array:
-        if self.lm_head is None:
-            return self.model.embed_tokens.attend(h)
-        return self.lm_head(h)
+        logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+        return soft_cap(logits, self.config.final_softcap)
 
     def __call__(self, ids, positions, cache: KVCache | None = None, *, microbatches: int = 1):
         h, cache = self.hidden_states(ids, positions, cache, microbatches=microbatches)

@@ -1,11 +1,18 @@
 """The parts of a decoder layer, each chosen and parameterized by the model's config (`DecoderConfig`).
 
-    DecoderLayer:  h += self_attn(input_layernorm(h))            pre-norm residual, two all-reduces
-                   h += mlp(post_attention_layernorm(h))
+    DecoderLayer:  h += self_attn(input_layernorm(h))            `norm_placement="pre"`: pre-norm residual,
+                   h += mlp(post_attention_layernorm(h))          two all-reduces (Llama)
+                   h += post_attention_layernorm(self_attn(input_layernorm(h)))         "sandwich" (Gemma 2/3)
+                   h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
     Attention:     q, k, v = qkv_proj(x)                          QKV column -> local heads
-                   q, k = q_norm(q), k_norm(k)                    if `qk_norm` (Qwen3)
+                   q, k = q_norm(q), k_norm(k)                    if `qk_norm` (Qwen3, Gemma 3)
                    q, k = rope(q), rope(k)                        if `rope` is not None (not GPT-2)
-                   o_proj(attend(q, k, v, window))                row (all-reduce)
+                   o_proj(attend(q, k, v, window, softcap))       row (all-reduce)
+
+Layers of one stack may differ in value (`layer_types`): a layer's window and rotary frequencies are
+rows of static per-layer tables, indexed by the layer's index (a traced int the stack passes in), so
+the stack stays one scan of one layer body. A uniform model (`layer_types` None) builds no table and
+traces exactly as before.
     DenseMLP:      down_proj(act(gate) * up), gate | up = gate_up_proj(x)     if `gated_mlp` (Llama)
                    down_proj(act(up_proj(x)))                                  else (GPT-2)
 
@@ -24,19 +31,28 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tp_jax.models.attention import attend
+from tp_jax.models.attention import FULL_WINDOW, attend
 from tp_jax.models.cache import LayerCache
 from tp_jax.models.config import ModelConfig
 from tp_jax.models.rope import RopeConfig, apply_rope, inv_freq
 from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
-from tp_jax.parallel.layers.norm import RMSNorm
+from tp_jax.parallel.layers.norm import GemmaRMSNorm, RMSNorm
 
-# config `norm` -> the replicated norm layer (LayerNorm carries a bias, as GPT-2's does).
-NORMS: dict[str, type[nnx.Module]] = {"rms": RMSNorm, "layer": LayerNorm}
+# config `norm` -> the replicated norm layer (LayerNorm carries a bias, as GPT-2's does; "gemma_rms" scales
+# by 1 + w in float32).
+NORMS: dict[str, type[nnx.Module]] = {"rms": RMSNorm, "layer": LayerNorm, "gemma_rms": GemmaRMSNorm}
+
+# config `norm_placement` -> the layer's norms, named as HF names them (their order in the layer).
+NORM_PLACEMENTS: dict[str, tuple[str, ...]] = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm")}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # config `hidden_act` (HF's names) -> the function; gelu_new / gelu_pytorch_tanh are the tanh approximation.
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -61,6 +77,13 @@ class DecoderConfig(ModelConfig):
       hidden_act: an `ACTIVATIONS` name; gated_mlp: act(gate) * up (True) or act(up) (False);
       mlp_bias: biases on the feed-forward projections.
       feed_forward: a `FEED_FORWARDS` name, the feed-forward part of every layer.
+      layer_types: None (every layer alike: `sliding_window` applies to all), or one `LAYER_TYPES` entry per
+        layer: "sliding_attention" layers see `sliding_window` keys and rotate with `local_rope`,
+        "full_attention" layers see every key and rotate with `rope`.
+      local_rope: the sliding layers' rotary embedding (None: `rope`; Gemma 3's local base).
+      attn_softcap, final_softcap: tanh soft-capping of the attention scores and of the logits (None: none).
+      norm_placement: a `NORM_PLACEMENTS` name, which norms a layer has and where.
+      embed_scale: the token embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype.
     """
     intermediate_size: int
     norm: str = "rms"
@@ -76,6 +99,12 @@ class DecoderConfig(ModelConfig):
     gated_mlp: bool = True
     mlp_bias: bool = False
     feed_forward: str = "dense"
+    layer_types: tuple[str, ...] | None = None
+    local_rope: RopeConfig | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    norm_placement: str = "pre"
+    embed_scale: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -85,9 +114,32 @@ class DecoderConfig(ModelConfig):
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"{name}: sliding_window={self.sliding_window!r} must be a positive integer "
                              f"(the number of most recent keys a query sees, itself included) or None.")
-        for field, table in (("norm", NORMS), ("hidden_act", ACTIVATIONS), ("feed_forward", FEED_FORWARDS)):
+        for field, table in (("norm", NORMS), ("hidden_act", ACTIVATIONS), ("feed_forward", FEED_FORWARDS),
+                             ("norm_placement", NORM_PLACEMENTS)):
             if getattr(self, field) not in table:
                 raise ValueError(f"{name}: {field}={getattr(self, field)!r}; choose one of {sorted(table)}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"{name}: layer_types={self.layer_types!r} must name one of {LAYER_TYPES} for "
+                                 f"each of the {self.num_layers} layers")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError(f"{name}: layer_types has sliding layers but sliding_window is None")
+        for field in ("attn_softcap", "final_softcap"):
+            cap = getattr(self, field)
+            if cap is not None and not cap > 0:
+                raise ValueError(f"{name}: {field}={cap!r} must be a positive number or None")
+
+    def layer_windows(self) -> tuple[int, ...] | None:
+        """Each layer's window (`FULL_WINDOW` for a global layer), or None when every layer is alike."""
+        if self.layer_types is None:
+            return None
+        return tuple(self.sliding_window if t == "sliding_attention" else FULL_WINDOW for t in self.layer_types)
+
+    def layer_ropes(self) -> tuple[RopeConfig, ...] | None:
+        """Each layer's rotary embedding, or None when every layer rotates alike."""
+        if self.layer_types is None or self.rope is None or self.local_rope in (None, self.rope):
+            return None
+        return tuple(self.local_rope if t == "sliding_attention" else self.rope for t in self.layer_types)
 
 
 def make_norm(cfg: DecoderConfig, dim: int, tp: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
@@ -109,20 +161,29 @@ class Attention(nnx.Module):
                                           dtype=dtype, rngs=rngs)
         self.o_proj = RowParallelLinear.over_heads(self.qkv_proj.plan, hd, d, bias=cfg.o_bias, dtype=dtype,
                                                    rngs=rngs)
-        self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs) if cfg.qk_norm else None
+        self.q_norm = make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
         self.freq = None if cfg.rope is None else tuple(inv_freq(cfg.rope, hd).tolist())   # static, not state
+        ropes = cfg.layer_ropes()
+        self.layer_freqs = None if ropes is None else tuple(tuple(inv_freq(r, hd).tolist()) for r in ropes)
         self.scale = hd ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
-        self.window = cfg.sliding_window
+        self.window, self.layer_windows = cfg.sliding_window, cfg.layer_windows()
+        self.softcap = cfg.attn_softcap
 
-    def __call__(self, x, positions, cache: LayerCache | None):
+    def __call__(self, x, positions, cache: LayerCache | None, layer: jax.Array | None = None):
+        """`layer`: this layer's index in the model (a traced int32), read only when the layers differ."""
         q, k, v = self.qkv_proj(x)                           # [B, T, q_local | kv_local, hd]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.freq is not None:
             freq = np.asarray(self.freq, np.float32)
+            if self.layer_freqs is not None:
+                freq = jnp.asarray(np.asarray(self.layer_freqs, np.float32))[layer]
             q, k = apply_rope(q, positions, freq), apply_rope(k, positions, freq)
-        out, cache = attend(q, k, v, positions, cache, scale=self.scale, window=self.window)
+        window = self.window
+        if self.layer_windows is not None:
+            window = jnp.asarray(np.asarray(self.layer_windows, np.int32))[layer]
+        out, cache = attend(q, k, v, positions, cache, scale=self.scale, window=window, softcap=self.softcap)
         return self.o_proj(out), cache
 
 
@@ -156,16 +217,21 @@ FEED_FORWARDS: dict[str, Callable[[DecoderConfig, int, object, nnx.Rngs], nnx.Mo
 class DecoderLayer(nnx.Module):
     """h[B, T, D] -> h + attention(norm(h)), then + mlp(norm(h)): the one decoder layer of every model.
 
-    Args: `cfg` (DecoderConfig: `norm` picks both norms, `feed_forward` the mlp), `tp`, `dtype`, `rngs`.
+    Args: `cfg` (DecoderConfig: `norm` picks the norms' kind, `norm_placement` which there are, `feed_forward`
+    the mlp), `tp`, `dtype`, `rngs`. Zero weights (a pipeline identity slot) add exactly zero in every placement.
     """
 
     def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = make_norm(cfg, cfg.hidden_size, tp, dtype, rngs)
+        self.placement = cfg.norm_placement
+        for name in NORM_PLACEMENTS[cfg.norm_placement]:
+            setattr(self, name, make_norm(cfg, cfg.hidden_size, tp, dtype, rngs))
         self.self_attn = Attention(cfg, tp, dtype, rngs)
-        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, tp, dtype, rngs)
         self.mlp = FEED_FORWARDS[cfg.feed_forward](cfg, tp, dtype, rngs)
 
-    def __call__(self, h, positions, cache: LayerCache | None):
-        a, cache = self.self_attn(self.input_layernorm(h), positions, cache)
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h)), cache
+    def __call__(self, h, positions, cache: LayerCache | None, layer: jax.Array | None = None):
+        a, cache = self.self_attn(self.input_layernorm(h), positions, cache, layer)
+        if self.placement == "pre":
+            h = h + a
+            return h + self.mlp(self.post_attention_layernorm(h)), cache
+        h = h + self.post_attention_layernorm(a)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), cache

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tp_jax.models.causal_lm import CausalLM
 from tp_jax.models.config import REQUIRED, UnsupportedConfigError, eos_ids, read_fields
-from tp_jax.models.decoder import DecoderConfig
+from tp_jax.models.decoder import NORM_PLACEMENTS, DecoderConfig
 from tp_jax.models.registry import first_architecture, register
 from tp_jax.models.rope import ROPE_FIELDS, rope_from_hf
 from tp_jax.parallel.layers import Entry, WeightTable
@@ -93,12 +93,11 @@ def _sliding_window(f: dict, arch: str, mode: str) -> int | None:
 # --- weights: HF tensor names -> params ---------------------------------------------------------
 
 def llama_weights(cfg: DecoderConfig) -> WeightTable:
-    """HF Llama names -> param parts; bias and q/k norm entries follow the config."""
+    """HF Llama names -> param parts; bias, layer norm and q/k norm entries follow the config (Gemma's too)."""
     hf, ours = "model.layers.{i}", "model.layers.layers"
     entries = [Entry("model.embed_tokens.weight", "model.embed_tokens.embedding", "weight"),
-               Entry("model.norm.weight", "model.norm.weight", "weight"),
-               Entry(f"{hf}.input_layernorm.weight", f"{ours}.input_layernorm.weight", "weight"),
-               Entry(f"{hf}.post_attention_layernorm.weight", f"{ours}.post_attention_layernorm.weight", "weight")]
+               Entry("model.norm.weight", "model.norm.weight", "weight")]
+    entries += [Entry(f"{hf}.{n}.weight", f"{ours}.{n}.weight", "weight") for n in NORM_PLACEMENTS[cfg.norm_placement]]
     if not cfg.tie_word_embeddings:
         entries.append(Entry("lm_head.weight", "lm_head.embedding", "weight"))
     linears = [(f"{hf}.self_attn.{p}_proj", f"{ours}.self_attn.qkv_proj", p, cfg.qkv_bias) for p in "qkv"]

@@ -36,8 +36,12 @@ class RopeConfig:
             raise UnsupportedConfigError(f"rope_scaling type {self.type!r} is not supported; supported: {ROPE_TYPES}")
 
 
-def rope_from_hf(hf) -> RopeConfig:
-    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+def rope_from_hf(hf, params=None) -> RopeConfig:
+    """The rotary embedding of an HF config; `params`: one entry of a per-layer-type `rope_parameters`
+    (Gemma 3: {"sliding_attention": {...}, "full_attention": {...}}) instead of the config's own."""
+    if params is None:
+        params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
+    params = dict(params or {})
     theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:

@@ -1,4 +1,5 @@
-"""Normalization layers, replicated on every tp rank: RMSNorm (Llama) and LayerNorm with bias (GPT-2).
+"""Normalization layers, replicated on every tp rank: RMSNorm (Llama), GemmaRMSNorm (scale 1 + w) and
+LayerNorm with bias (GPT-2).
 
 Both normalize over the last axis in float32 and hold their params whole on every rank
 (declared with `split=None`), so they run on the full hidden state between the
@@ -34,6 +35,19 @@ class RMSNorm(ParallelModule):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(row_mean(x32 * x32, keepdims=True) + self.eps)   # batch-invariant sum
         return self.weight[...] * x32.astype(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """y = x / sqrt(mean(x^2) + eps) * (1 + w), all in float32, then cast (Gemma's norm: w stored as an offset
+    from 1, and the scale applied before the cast, where Llama's RMSNorm casts first).
+
+    Args and checkpoint part: as `RMSNorm`'s. An all-zero w (a pipeline identity slot) is the plain RMS norm.
+    """
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(row_mean(x32 * x32, keepdims=True) + self.eps)
+        return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
 class LayerNorm(ParallelModule):

@@ -28,13 +28,16 @@ VARIANTS = {
                                   tie_word_embeddings=True, initializer_range=0.2)),
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                                       sliding_window=8, tie_word_embeddings=False)),
+    # layers differ: layer 0 sees every key, layer 1 (>= max_window_layers) only the last 8
+    "qwen2_window": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                         use_sliding_window=True, sliding_window=8, max_window_layers=1)),
 }
 WINDOW = 8
 # the 13-token prompt is longer than Mistral's window; 5 + 12 generated tokens cross it in cached decode
 PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [5, 17, 300, 42, 9], [999, 3]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # Greedy generation (prefill + cached decode, Mistral's window included) is checked at every tp.
-GENERATE_AT = {"qwen2": (1, 2, 4, 8), "qwen3": (1, 2, 4, 8), "mistral": (1, 2, 4, 8)}
+GENERATE_AT = {"qwen2": (1, 2, 4, 8), "qwen3": (1, 2, 4, 8), "mistral": (1, 2, 4, 8), "qwen2_window": (1, 2, 4, 8)}
 
 
 def hf_config(name: str):
@@ -55,8 +58,10 @@ def hf_reference(name: str, root: str):
     ids = np.random.default_rng(0).integers(0, BASE["vocab_size"], size=(3, 13))
     logits, greedy = logits_and_greedy(model, ids, PROMPTS)
     with torch.no_grad():
-        if name == "mistral":                 # the window must matter: full attention differs past it
-            model.config.sliding_window = None
+        if name in ("mistral", "qwen2_window"):  # the window must matter: full attention differs past it
+            model.config.sliding_window = None if name == "mistral" else 1000      # wider than the input
+            for layer in model.model.layers if name == "qwen2_window" else []:
+                layer.self_attn.sliding_window = layer.self_attn.sliding_window and model.config.sliding_window
             full = model(torch.tensor(ids)).logits.numpy()
             assert np.abs(full[:, :WINDOW] - logits[:, :WINDOW]).max() < 1e-5
             assert np.abs(full[:, WINDOW:] - logits[:, WINDOW:]).max() > 1e-3
@@ -105,14 +110,16 @@ def test_qwen2_sliding_window_off_or_on_no_layer_is_accepted():
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
-def test_qwen_active_sliding_window_is_refused(name):
+def test_qwen_sliding_window_on_some_layers_is_a_per_layer_table(name):
+    from tp_jax.models.attention import FULL_WINDOW
     cfg = hf_config(name)
     cfg.use_sliding_window, cfg.sliding_window, cfg.max_window_layers = True, 4, 1
     cfg.layer_types = ["full_attention", "sliding_attention"]
-    with pytest.raises(UnsupportedConfigError, match=r"use_sliding_window=true \(sliding_window=4, "
-                                                     r"max_window_layers=1\) gives .* layers 1\.\.1 .*"
-                                                     r"Set use_sliding_window to false"):
-        config_from_hf(cfg)
+    ours = config_from_hf(cfg)
+    assert (ours.sliding_window, ours.layer_types) == (4, ("full_attention", "sliding_attention"))
+    assert ours.layer_windows() == (FULL_WINDOW, 4) and ours.layer_ropes() is None
+    cfg.layer_types = ["sliding_attention"] * 2                 # every layer slides: one window, no table
+    assert (config_from_hf(cfg).sliding_window, config_from_hf(cfg).layer_types) == (4, None)
 
 
 def test_registry_knows_the_new_architectures():
@@ -139,7 +146,7 @@ def test_the_config_chooses_the_parts():
         assert isinstance(model, CausalLM) and isinstance(mlp, DenseMLP), name
         assert (attn.q_norm is not None) == (name == "qwen3"), name
         assert (attn.qkv_proj.bias is not None, attn.o_proj.bias is not None) == {
-            "qwen2": (True, False), "gpt2": (True, True)}.get(name, (False, False)), name
+            "qwen2": (True, False), "qwen2_window": (True, False), "gpt2": (True, True)}.get(name, (False, False)), name
         assert (model.model.embed_positions is not None) == (name == "gpt2") == (attn.freq is None), name
         assert isinstance(model.model.norm, LayerNorm) == (name == "gpt2") == hasattr(mlp, "up_proj"), name
     assert built["mistral"].model.layers.layers.self_attn.window == WINDOW

@@ -123,11 +123,21 @@ def test_published_config_loads_and_builds_at_tp8(name, tmp_path):
     assert param_count(single) == expected + padding
     if cfg.rope is None:                                                  # learned positions, no rotary
         assert hf.model_type == "gpt2" and cfg.learned_positions
+    elif "full_attention" in hf.rope_parameters:                          # one rotary per layer type (Gemma 3)
+        for rope, kind in ((cfg.rope, "full_attention"), (cfg.local_rope, "sliding_attention")):
+            params = hf.rope_parameters[kind]
+            assert (rope.theta, rope.type, rope.factor) == (params["rope_theta"], params["rope_type"],
+                                                            params.get("factor", 1.0))
     else:
         assert (cfg.rope.theta, cfg.rope.type) == (hf.rope_parameters["rope_theta"], hf.rope_parameters["rope_type"])
-    sliding = [t == "sliding_attention" for t in getattr(hf, "layer_types", None) or []]
+    types = list(getattr(hf, "layer_types", None) or [])
+    sliding = [t == "sliding_attention" for t in types]
     window = hf.sliding_window if (hf.model_type == "mistral" or any(sliding)) else None
     assert cfg.sliding_window == window
+    assert cfg.layer_types == (tuple(types) if any(sliding) and not all(sliding) else None) or \
+        (cfg.layer_types is None and hf.model_type == "mistral")
+    assert (cfg.attn_softcap, cfg.final_softcap) == (getattr(hf, "attn_logit_softcapping", None),
+                                                     getattr(hf, "final_logit_softcapping", None))
     eight = make_mesh(tp=8, devices=jax.devices()[:8])
     model = abstract_model(cfg, eight, dtype=jax.numpy.bfloat16)
     total, per_dev = per_device_bytes(model, eight)
@@ -175,13 +185,6 @@ def edited(name: str, **change) -> dict:
 
 
 REFUSED = {   # case: (config dict, regex the error must match)
-    "qwen2 sliding window on upper layers": (
-        edited("Qwen2.5-7B", use_sliding_window=True, max_window_layers=14),
-        r"use_sliding_window=true \(sliding_window=131072, max_window_layers=14\) gives Qwen2ForCausalLM layers "
-        r"14\.\.27 a sliding window"),
-    "qwen3 sliding window": (
-        edited("Qwen3-8B", use_sliding_window=True, sliding_window=4096, max_window_layers=8),
-        r"use_sliding_window=true .* Qwen3ForCausalLM layers 8\.\.35"),
     "mrope": (edited("Qwen2.5-7B", use_mrope=True), r"use_mrope=True asks for multimodal rotary positions"),
     "yarn rope": (edited("Qwen2.5-7B", rope_scaling={"type": "yarn", "factor": 4.0,
                                                       "original_max_position_embeddings": 32768}),
@@ -204,6 +207,14 @@ REFUSED = {   # case: (config dict, regex the error must match)
                                         r"sliding_window=4096 \(an active sliding window\) is not supported"),
     "activation": (edited("Qwen3-0.6B", hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
 }
+
+
+@pytest.mark.parametrize("name,layers,first", [("Qwen2.5-7B", 28, 14), ("Qwen3-8B", 36, 8)])
+def test_qwen_sliding_window_on_upper_layers_is_a_per_layer_window(name, layers, first, tmp_path):
+    cfg = load_config(model_dir(tmp_path, edited(name, use_sliding_window=True, sliding_window=4096,
+                                                 max_window_layers=first)))
+    assert cfg.sliding_window == 4096
+    assert cfg.layer_types == ("full_attention",) * first + ("sliding_attention",) * (layers - first)
 
 
 @pytest.mark.parametrize("case", list(REFUSED))

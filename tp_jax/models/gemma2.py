@@ -76,7 +76,7 @@ def gemma_config(hf, raw=None, *, qk_norm: bool = False, local_rope: bool = Fals
         attn_softcap=None if caps[0] is None else float(caps[0]),
         final_softcap=None if caps[1] is None else float(caps[1]),
         sliding_window=int(f["sliding_window"]) if "sliding_attention" in types else None,
-        layer_types=types if "sliding_attention" in types else None,
+        layer_types=types if len(set(types)) > 1 else None,             # None: every layer alike
         bos_token_id=f["bos_token_id"], eos_token_ids=eos_ids(f["eos_token_id"]))
 
 

@@ -32,7 +32,7 @@ LLAMA_FIELDS = {
     "bos_token_id": None, "eos_token_id": None,
     **{f: None for f in ROPE_FIELDS},     # None: default rope, theta 10000 (tp_jax/models/rope.py)
 }
-# Qwen2/3: a window only on the layers HF marks "sliding_attention".
+# Qwen2/3: a window only on the layers HF marks "sliding_attention" (a per-layer table when some do not).
 PER_LAYER_WINDOW_FIELDS = {"use_sliding_window": False, "max_window_layers": 0, "layer_types": None}
 WINDOW_MODES = ("none", "all", "per_layer")
 
@@ -41,7 +41,7 @@ def llama_config(hf, raw=None, *, window: str = "none", qk_norm: bool = False, q
                  o_bias: bool | None = None, extra_fields=None, extend=None) -> DecoderConfig:
     """DecoderConfig from an HF config of the Llama family. `window`: how the architecture reads
     `sliding_window` ("none": must be unset; "all": every layer slides, Mistral; "per_layer":
-    Qwen2/3, refused unless no layer slides). `qk_norm`: the architecture has q/k norms (Qwen3).
+    Qwen2/3, the layers `layer_types` / `max_window_layers` mark). `qk_norm`: the architecture has q/k norms (Qwen3).
     `qkv_bias` / `o_bias`: the architecture's own biases (Qwen2); None: `attention_bias`.
     `extra_fields` / `extend`: more HF fields the architecture reads, and `extend(fields, arch)
     -> (config class, its extra arguments)` (the MoE models, tp_jax/models/moe.py)."""
@@ -55,6 +55,7 @@ def llama_config(hf, raw=None, *, window: str = "none", qk_norm: bool = False, q
         raise UnsupportedConfigError(f"config field hidden_act={f['hidden_act']!r} is not supported for {arch}; "
                                      f"only 'silu'")
     heads, bias = f["num_attention_heads"], bool(f["attention_bias"])
+    windows = _sliding_window(f, arch, window)
     return cls(
         architecture=arch, vocab_size=f["vocab_size"], hidden_size=f["hidden_size"],
         intermediate_size=f["intermediate_size"], num_layers=f["num_hidden_layers"], num_heads=heads,
@@ -64,28 +65,26 @@ def llama_config(hf, raw=None, *, window: str = "none", qk_norm: bool = False, q
         tie_word_embeddings=bool(f["tie_word_embeddings"]),
         qkv_bias=bias if qkv_bias is None else qkv_bias, o_bias=bias if o_bias is None else o_bias,
         mlp_bias=bool(f["mlp_bias"]), hidden_act="silu", gated_mlp=True, qk_norm=qk_norm,
-        sliding_window=_sliding_window(f, arch, window),
+        sliding_window=windows[0], layer_types=windows[1],
         bos_token_id=f["bos_token_id"], eos_token_ids=eos_ids(f["eos_token_id"]), **more)
 
 
-def _sliding_window(f: dict, arch: str, mode: str) -> int | None:
-    """The window every layer uses (None: full attention), or UnsupportedConfigError naming the field."""
+def _sliding_window(f: dict, arch: str, mode: str) -> tuple[int | None, tuple[str, ...] | None]:
+    """(the window, each layer's type or None when every layer is alike), or UnsupportedConfigError naming the
+    field. "per_layer" (Qwen2/3): the layers `layer_types` (or max_window_layers) marks "sliding_attention"
+    slide, the others see every key."""
     window = f["sliding_window"]
     if window is None or mode == "all":
-        return None if window is None else int(window)
+        return (None if window is None else int(window)), None
     if mode == "per_layer":
         if not f["use_sliding_window"]:
-            return None
+            return None, None
         first = int(f["max_window_layers"] or 0)
-        types = list(f["layer_types"] or ["sliding_attention" if i >= first else "full_attention"
-                                          for i in range(f["num_hidden_layers"])])
-        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-        if not sliding:
-            return None
-        raise UnsupportedConfigError(
-            f"config field use_sliding_window=true (sliding_window={window}, max_window_layers={first}) gives "
-            f"{arch} layers {sliding[0]}..{sliding[-1]} a sliding window and the others full attention; tp_jax "
-            f"does not support per-layer windows. Set use_sliding_window to false for full attention")
+        types = tuple(f["layer_types"] or ["sliding_attention" if i >= first else "full_attention"
+                                           for i in range(f["num_hidden_layers"])])
+        if "sliding_attention" not in types:
+            return None, None
+        return int(window), (types if len(set(types)) > 1 else None)
     raise UnsupportedConfigError(f"config field sliding_window={window} (an active sliding window) is not "
                                  f"supported for {arch}; set it to null for full attention")
 

@@ -1,0 +1,118 @@
+"""Gemma 2 and Gemma 3 (text) vs transformers: tiny random checkpoints written by transformers, at every (dp, pp, tp)
+factorization of 8 devices their 4 layers allow, with 6 query / 2 KV heads (tp 4 and 8 pad and replicate heads).
+
+Each checkpoint makes every Gemma part matter, and the reference proves it: the soft-caps change transformers'
+own logits, the sliding window changes them past the window, Gemma 3's two rotary bases change them.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import logits_and_greedy, randomize
+from tp_jax.models.config import UnsupportedConfigError, config_from_hf
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
+
+WINDOW = 6
+BASE = dict(vocab_size=1000, hidden_size=48, intermediate_size=96, num_hidden_layers=4, rms_norm_eps=1e-6,
+            max_position_embeddings=128, bos_token_id=1, eos_token_id=2, head_dim=16, num_attention_heads=6,
+            num_key_value_heads=2, sliding_window=WINDOW, query_pre_attn_scalar=24, initializer_range=0.1,
+            tie_word_embeddings=False)
+VARIANTS = {   # name: (transformers config class, overrides)
+    # default layer_types: sliding, full, sliding, full; caps small enough to bend the scores and logits
+    "gemma2": ("Gemma2Config", dict(attn_logit_softcapping=10.0, final_logit_softcapping=20.0,
+                                    architectures=["Gemma2ForCausalLM"])),
+    # global layer 1 rotates with theta 1e6 and linear scaling 8, the sliding ones with the local base 1e4
+    "gemma3": ("Gemma3TextConfig", dict(
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}},
+        tie_word_embeddings=True, architectures=["Gemma3ForCausalLM"])),
+}
+# the first prompt is longer than the window; 12 generated tokens cross it again in cached decode
+PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [5, 17, 300, 42, 9], [999, 3]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# every (dp, pp, tp) with dp * pp * tp = 8 and pp <= 4 layers, and one device
+MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (1, 4, 2), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2), (4, 2, 1), (8, 1, 1)]
+
+
+def hf_config(name: str):
+    import transformers
+    cls, over = VARIANTS[name]
+    return getattr(transformers, cls)(**{**BASE, **over})
+
+
+def variant_logits(model, ids, **change) -> np.ndarray:
+    """transformers' logits for `ids` from the same weights under the config with fields `change`d."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    cfg = model.config.to_dict()
+    cfg.update(change)
+    other = AutoModelForCausalLM.from_config(type(model.config).from_dict(cfg), attn_implementation="eager").eval()
+    other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        return other(torch.tensor(ids)).logits.numpy()
+
+
+def hf_reference(name: str, root: str):
+    """(checkpoint dir, logits [3, 13, V], greedy tokens per prompt) from transformers, after checking that the
+    window, the soft-caps (Gemma 2) and the local rotary base (Gemma 3) each change transformers' logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    path = os.path.join(root, name)
+    torch.manual_seed(sum(map(ord, name)))
+    randomize(AutoModelForCausalLM.from_config(hf_config(name)).eval()).save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = np.random.default_rng(0).integers(0, BASE["vocab_size"], size=(3, 13))
+    with torch.no_grad():
+        logits = model(torch.tensor(ids)).logits.numpy()
+    gap = lambda **change: float(np.abs(variant_logits(model, ids, **change) - logits).max())
+    full = variant_logits(model, ids, sliding_window=1000)                       # a window wider than the input
+    assert np.abs(full[:, :WINDOW] - logits[:, :WINDOW]).max() < 1e-5          # the window matters past it only
+    assert np.abs(full[:, WINDOW:] - logits[:, WINDOW:]).max() > 1e-3
+    if name == "gemma2":
+        assert gap(attn_logit_softcapping=None) > 1e-3 and gap(final_logit_softcapping=None) > 1e-3
+    else:
+        same = {t: {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}
+                for t in ("sliding_attention", "full_attention")}
+        assert gap(rope_parameters=same) > 1e-3
+    ref, greedy = logits_and_greedy(model, ids, PROMPTS)             # (generate after the variants: it
+    assert np.array_equal(ref, logits)                               # leaves state they would inherit)
+    return path, ids, logits, greedy
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("gemma"))
+    return {name: hf_reference(name, root) for name in VARIANTS}
+
+
+@pytest.mark.parametrize("dp,pp,tp", MESHES, ids=lambda v: str(v))
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_and_greedy_match_transformers(references, name, dp, pp, tp):
+    path, ids, ref, greedy = references[name]
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, progress=False)
+    assert llm.config.architecture == VARIANTS[name][1]["architectures"][0]
+    diff = float(np.abs(llm.get_logits(ids) - ref).max())
+    print(f"{name} dp={dp} pp={pp} tp={tp}: max abs logit diff {diff:.2e}")
+    assert diff <= 2e-4
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_long_prompts_cross_the_window_in_chunks_and_from_the_prefix_cache(references, name):
+    """Prompts of 45 and 40 tokens (7 windows) prefilled in chunks of 16, the second reusing the first's two
+    cached blocks, then 8 cached decode steps: transformers' greedy tokens."""
+    from tests.tiny_models import hf_greedy
+    path = references[name][0]
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, BASE["vocab_size"], 32).tolist()
+    prompts = [shared + rng.integers(0, BASE["vocab_size"], n).tolist() for n in (13, 8)]
+    llm = LLM(path, tensor_parallel_size=2, max_num_batched_tokens=16, enable_prefix_caching=True, progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = llm.generate([prompts[0]], params)[0]
+    second = llm.generate([prompts[1]], params)[0]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [hf_greedy(path, p, 8) for p in prompts]

@@ -132,10 +132,10 @@ def test_published_config_loads_and_builds_at_tp8(name, tmp_path):
         assert (cfg.rope.theta, cfg.rope.type) == (hf.rope_parameters["rope_theta"], hf.rope_parameters["rope_type"])
     types = list(getattr(hf, "layer_types", None) or [])
     sliding = [t == "sliding_attention" for t in types]
-    window = hf.sliding_window if (hf.model_type == "mistral" or any(sliding)) else None
+    window = hf.sliding_window if (hf.model_type in ("mistral", "phi3") or any(sliding)) else None
     assert cfg.sliding_window == window
     assert cfg.layer_types == (tuple(types) if any(sliding) and not all(sliding) else None) or \
-        (cfg.layer_types is None and hf.model_type == "mistral")
+        (cfg.layer_types is None and hf.model_type in ("mistral", "phi3"))
     assert (cfg.attn_softcap, cfg.final_softcap) == (getattr(hf, "attn_logit_softcapping", None),
                                                      getattr(hf, "final_logit_softcapping", None))
     eight = make_mesh(tp=8, devices=jax.devices()[:8])

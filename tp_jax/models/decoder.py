@@ -38,7 +38,7 @@ from flax import nnx
 from tp_jax.models.attention import FULL_WINDOW, attend
 from tp_jax.models.cache import LayerCache
 from tp_jax.models.config import ModelConfig
-from tp_jax.models.rope import RopeConfig, apply_rope, inv_freq
+from tp_jax.models.rope import RopeConfig, apply_rope, for_context, inv_freq
 from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
 from tp_jax.parallel.layers.norm import GemmaRMSNorm, RMSNorm
@@ -142,6 +142,15 @@ class DecoderConfig(ModelConfig):
         return tuple(self.local_rope if t == "sliding_attention" else self.rope for t in self.layer_types)
 
 
+def for_max_model_len(cfg: ModelConfig, max_model_len: int) -> ModelConfig:
+    """`cfg` for an engine holding sequences of up to `max_model_len` tokens: the rotary embeddings that depend on
+    the context (LongRoPE's factor set, tp_jax/models/rope.py `for_context`) chosen for it; other configs as they are."""
+    if not isinstance(cfg, DecoderConfig):
+        return cfg
+    rope, local = for_context(cfg.rope, max_model_len), for_context(cfg.local_rope, max_model_len)
+    return cfg if (rope, local) == (cfg.rope, cfg.local_rope) else dataclasses.replace(cfg, rope=rope, local_rope=local)
+
+
 def make_norm(cfg: DecoderConfig, dim: int, tp: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
     """The config's norm over the last axis of size `dim`, replicated on every rank."""
     return NORMS[cfg.norm](dim, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
@@ -166,6 +175,7 @@ class Attention(nnx.Module):
         self.freq = None if cfg.rope is None else tuple(inv_freq(cfg.rope, hd).tolist())   # static, not state
         ropes = cfg.layer_ropes()
         self.layer_freqs = None if ropes is None else tuple(tuple(inv_freq(r, hd).tolist()) for r in ropes)
+        self.rope_scale = 1.0 if cfg.rope is None else cfg.rope.attention_factor
         self.scale = hd ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.window, self.layer_windows = cfg.sliding_window, cfg.layer_windows()
         self.softcap = cfg.attn_softcap
@@ -179,7 +189,8 @@ class Attention(nnx.Module):
             freq = np.asarray(self.freq, np.float32)
             if self.layer_freqs is not None:
                 freq = jnp.asarray(np.asarray(self.layer_freqs, np.float32))[layer]
-            q, k = apply_rope(q, positions, freq), apply_rope(k, positions, freq)
+            scale = self.rope_scale
+            q, k = apply_rope(q, positions, freq, scale), apply_rope(k, positions, freq, scale)
         window = self.window
         if self.layer_windows is not None:
             window = jnp.asarray(np.asarray(self.layer_windows, np.int32))[layer]

@@ -1,9 +1,17 @@
-"""Rotary position embeddings (HF "rotate_half" layout) with default / linear / dynamic / llama3 scaling.
+"""Rotary position embeddings (HF "rotate_half" layout) with default / linear / dynamic / llama3 / longrope scaling.
 
 `rope_from_hf` reads the rope fields of an HF config (`rope_parameters`, or the older
 `rope_scaling` / `rope_theta`) and refuses scaling types and keys it does not implement.
 `dynamic` (NTK) equals `default` for positions below max_position_embeddings, the only
 range the engine allows (max_model_len <= max_position_embeddings).
+
+`longrope` (Phi-3): frequencies divided per dimension by `short_factor`, or by `long_factor` for sequences past
+`original_max_position_embeddings`, and cos / sin scaled by `attention_factor`. transformers picks the set by
+the length of each forward (recomputing the cache when a sequence crosses); an engine holds one set for its
+whole cache, chosen once by its max_model_len (`for_context`): short factors when max_model_len <= the original
+length, which is transformers' choice for every sequence the engine can hold; long ones otherwise.
+A `partial_rotary_factor` below 1 rotates only the first dims of each head (Phi-4-mini), read where the
+architecture asks for it (`rope_from_hf(..., partial=True)`).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import numpy as np
 
 from tp_jax.models.config import UnsupportedConfigError
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta")      # the HF config fields rope_from_hf reads
 
 
@@ -30,15 +38,32 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
+    use_long: bool = False
 
     def __post_init__(self):
         if self.type not in ROPE_TYPES:
             raise UnsupportedConfigError(f"rope_scaling type {self.type!r} is not supported; supported: {ROPE_TYPES}")
+        if self.type == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise UnsupportedConfigError("rope_parameters of type 'longrope' need short_factor and long_factor")
 
 
-def rope_from_hf(hf, params=None) -> RopeConfig:
+def for_context(rope: RopeConfig | None, max_model_len: int) -> RopeConfig | None:
+    """`rope` for an engine whose sequences reach `max_model_len` tokens: LongRoPE's long factors when that
+    passes the original context, its short ones otherwise (see the module docstring); other types as they are."""
+    if rope is None or rope.type != "longrope":
+        return rope
+    return dataclasses.replace(rope, use_long=max_model_len > rope.original_max_position_embeddings)
+
+
+def rope_from_hf(hf, params=None, *, partial: bool = False) -> RopeConfig:
     """The rotary embedding of an HF config; `params`: one entry of a per-layer-type `rope_parameters`
-    (Gemma 3: {"sliding_attention": {...}, "full_attention": {...}}) instead of the config's own."""
+    (Gemma 3: {"sliding_attention": {...}, "full_attention": {...}}) instead of the config's own.
+    `partial`: the architecture rotates `partial_rotary_factor` of each head (Phi-3); elsewhere a factor
+    below 1 is refused."""
     if params is None:
         params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
     params = dict(params or {})
@@ -49,20 +74,44 @@ def rope_from_hf(hf, params=None) -> RopeConfig:
                                      f"supported; supported: {', '.join(ROPE_TYPES)}")
     known = {"rope_theta", "rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
              "original_max_position_embeddings"}
+    if kind == "longrope":
+        known |= {"short_factor", "long_factor", "attention_factor"}
+    if partial:
+        known.add("partial_rotary_factor")
     extra = sorted(k for k, v in params.items() if k not in known and v not in (None, 1.0))
     if extra:
         raise UnsupportedConfigError(f"config field rope_parameters has unsupported keys {extra} "
                                      f"(rope_type {kind!r})")
-    return RopeConfig(theta=float(theta), type=kind, factor=float(params.get("factor", 1.0)),
+    original = int(params.get("original_max_position_embeddings") or
+                   getattr(hf, "original_max_position_embeddings", None) or getattr(hf, "max_position_embeddings", 8192))
+    more = {}
+    if kind == "longrope":
+        factor = params.get("factor") or getattr(hf, "max_position_embeddings", original) / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        more = dict(short_factor=tuple(float(x) for x in params["short_factor"]),
+                    long_factor=tuple(float(x) for x in params["long_factor"]), attention_factor=float(attention))
+    fraction = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None)) if partial else None
+    return RopeConfig(theta=float(theta), type=kind, factor=float(params.get("factor") or 1.0),
                       low_freq_factor=float(params.get("low_freq_factor", 1.0)),
                       high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-                      original_max_position_embeddings=int(params.get(
-                          "original_max_position_embeddings", getattr(hf, "max_position_embeddings", 8192))))
+                      original_max_position_embeddings=original,
+                      partial_rotary_factor=float(fraction or 1.0), **more)
 
 
 def inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """[head_dim/2] float32 inverse frequencies, as transformers computes them."""
-    freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    """[rotary_dim/2] float32 inverse frequencies, as transformers computes them (rotary_dim = head_dim times
+    `partial_rotary_factor`)."""
+    dim = int(head_dim * rope.partial_rotary_factor)
+    shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    if rope.type == "longrope":
+        ext = np.asarray(rope.long_factor if rope.use_long else rope.short_factor, np.float32)
+        if ext.shape != shape.shape:
+            raise UnsupportedConfigError(f"rope_parameters: {'long' if rope.use_long else 'short'}_factor has "
+                                         f"{ext.size} entries; the rotary dims need {shape.size}")
+        return (1.0 / (ext * (rope.theta ** shape).astype(np.float32))).astype(np.float32)
+    freq = 1.0 / (rope.theta ** shape)
     freq = freq.astype(np.float32)
     if rope.type == "linear":
         return (freq / rope.factor).astype(np.float32)
@@ -82,11 +131,20 @@ def _llama3(freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, freq: np.ndarray) -> jax.Array:
-    """x[B, T, H, hd] rotated by positions[B, T]."""
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(freq)     # [B, T, hd/2]
-    emb = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]          # [B, T, 1, hd]
+def apply_rope(x: jax.Array, positions: jax.Array, freq, scale: float = 1.0) -> jax.Array:
+    """x[B, T, H, hd] rotated by positions[B, T]: the first 2 * len(freq) dims of each head (all of them unless the
+    rotary is partial), cos and sin scaled by `scale` (LongRoPE's attention factor)."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(freq)     # [B, T, rd/2]
+    emb = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]          # [B, T, 1, rd]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    x32 = x.astype(jnp.float32)
+    rd = emb.shape[-1]
+    head, rest = x32[..., :rd], x32[..., rd:]
+    x1, x2 = jnp.split(head, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+    out = head * cos + rotated * sin
+    if rest.shape[-1]:
+        out = jnp.concatenate([out, rest], axis=-1)
+    return out.astype(x.dtype)

@@ -83,6 +83,8 @@ class LLM:
         log.info(setup.summary())
         self.dtype = as_dtype(setup.dtype)
         self.max_model_len, self.num_microbatches = setup.max_model_len, setup.num_microbatches
+        from tp_jax.models.decoder import for_max_model_len
+        self.config = for_max_model_len(self.config, self.max_model_len)      # LongRoPE's factor set
         choose_microbatches(1, self.num_microbatches)              # bad values fail before the load
         self.engine_config = EngineConfig.from_setup(setup)
         if args.num_gpu_blocks is not None or args.kv_cache_memory_bytes is not None:     # a pool too small: fail now

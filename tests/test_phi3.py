@@ -1,0 +1,100 @@
+"""Phi-3 / Phi-3.5 / Phi-4(-mini) vs transformers: tiny random checkpoints written by transformers (fused qkv_proj and
+gate_up_proj tensors), 6 query / 2 KV heads, at every (dp, pp, tp) factorization of 8 devices 2 layers allow.
+
+LongRoPE: an engine holds one factor set for its cache, chosen by max_model_len (tp_jax/models/rope.py): short
+factors when max_model_len <= original_max_position_embeddings (transformers' choice for every sequence that fits),
+long ones past it (transformers' choice for a sequence longer than the original context). Both are checked against
+transformers on inputs where transformers makes that same choice.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import hf_greedy, logits_and_greedy, randomize
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
+
+ORIGINAL = 32
+BASE = dict(vocab_size=1000, hidden_size=48, intermediate_size=96, num_hidden_layers=2, rms_norm_eps=1e-5,
+            max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_attention_heads=6,
+            num_key_value_heads=2, initializer_range=0.1, tie_word_embeddings=False, architectures=["Phi3ForCausalLM"])
+
+
+def longrope(dims: int, partial: float = 1.0) -> dict:
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+            "short_factor": [1.0 + 0.1 * i for i in range(dims)], "long_factor": [2.0 + 0.5 * i for i in range(dims)]}
+
+
+VARIANTS = {
+    "phi3_mini_4k": dict(sliding_window=8),                           # every layer slides (Phi-3-mini-4k: 2047)
+    "phi3_5_longrope": dict(original_max_position_embeddings=ORIGINAL, rope_parameters=longrope(4)),
+    # Phi-4-mini: 3/4 of each head rotated, tied embeddings, LongRoPE
+    "phi4_mini": dict(original_max_position_embeddings=ORIGINAL, rope_parameters=longrope(3, 0.75),
+                      tie_word_embeddings=True),
+}
+PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [5, 17, 300, 42, 9], [999, 3]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (2, 1, 4), (2, 2, 2), (4, 1, 2), (4, 2, 1), (8, 1, 1)]
+# the richest variant at every factorization, the others at one device and at pp x tp
+CASES = [("phi4_mini", m) for m in MESHES] + [(n, m) for n in VARIANTS if n != "phi4_mini"
+                                             for m in ((1, 1, 1), (1, 2, 4))]
+
+
+def hf_reference(name: str, root: str):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+    path = os.path.join(root, name)
+    torch.manual_seed(sum(map(ord, name)))
+    cfg = transformers.Phi3Config(**{**BASE, **VARIANTS[name]})
+    randomize(AutoModelForCausalLM.from_config(cfg).eval()).save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = np.random.default_rng(0).integers(0, BASE["vocab_size"], size=(3, 13))
+    logits, greedy = logits_and_greedy(model, ids, PROMPTS)
+    if name == "phi3_mini_4k":                        # the window matters past it
+        model.config.sliding_window = None
+        with torch.no_grad():
+            full = model(torch.tensor(ids)).logits.numpy()
+        assert np.abs(full[:, :8] - logits[:, :8]).max() < 1e-5 < 1e-3 < np.abs(full[:, 8:] - logits[:, 8:]).max()
+    return path, ids, logits, greedy
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("phi3"))
+    return {name: hf_reference(name, root) for name in VARIANTS}
+
+
+@pytest.mark.parametrize("name,mesh", CASES, ids=[f"{n}-{m}" for n, m in CASES])
+def test_logits_and_greedy_match_transformers(references, name, mesh):
+    path, ids, ref, greedy = references[name]
+    dp, pp, tp = mesh
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+              max_model_len=ORIGINAL, progress=False)
+    diff = float(np.abs(llm.get_logits(ids) - ref).max())
+    print(f"{name} {mesh}: max abs logit diff {diff:.2e}")
+    assert diff <= 2e-4
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
+
+
+@pytest.mark.parametrize("name", ["phi3_5_longrope", "phi4_mini"])
+def test_long_context_uses_the_long_factors(references, name):
+    """max_model_len past the original context: the long factors, as transformers uses for a sequence past it
+    (a 40-token forward; a 36-token prompt and 8 greedy tokens, all past the original 32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    path = references[name][0]
+    ids = np.random.default_rng(4).integers(0, BASE["vocab_size"], size=(2, 40))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits.numpy()
+    llm = LLM(path, tensor_parallel_size=2, max_model_len=64, progress=False)
+    assert llm.config.rope.use_long
+    assert float(np.abs(llm.get_logits(ids) - ref).max()) <= 2e-4
+    short = LLM(path, tensor_parallel_size=2, max_model_len=ORIGINAL, progress=False)
+    assert float(np.abs(short.get_logits(ids[:, :ORIGINAL]) - ref[:, :ORIGINAL]).max()) > 1e-3   # factors matter
+    prompt = ids[0, :36].tolist()
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8)

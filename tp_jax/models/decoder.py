@@ -4,8 +4,12 @@
                    h += mlp(post_attention_layernorm(h))          two all-reduces (Llama)
                    h += post_attention_layernorm(self_attn(input_layernorm(h)))         "sandwich" (Gemma 2/3)
                    h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+                   h += post_attention_layernorm(self_attn(h))                        "post" (OLMo 2)
+                   h += post_feedforward_layernorm(mlp(h))
     Attention:     q, k, v = qkv_proj(x)                          QKV column -> local heads
-                   q, k = q_norm(q), k_norm(k)                    if `qk_norm` (Qwen3, Gemma 3)
+                   q, k = q_norm(q), k_norm(k)                    if `qk_norm` (Qwen3, Gemma 3), per head;
+                                                                  `qk_norm_full`: over all heads (OLMo 2),
+                                                                  one tp all-reduce of their statistics
                    q, k = rope(q), rope(k)                        if `rope` is not None (not GPT-2)
                    o_proj(attend(q, k, v, window, softcap))       row (all-reduce)
 
@@ -41,7 +45,7 @@ from tp_jax.models.config import ModelConfig
 from tp_jax.models.rope import RopeConfig, apply_rope, for_context, inv_freq
 from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
-from tp_jax.parallel.layers.norm import GemmaRMSNorm, RMSNorm
+from tp_jax.parallel.layers.norm import GemmaRMSNorm, QKNorm, RMSNorm
 
 # config `norm` -> the replicated norm layer (LayerNorm carries a bias, as GPT-2's does; "gemma_rms" scales
 # by 1 + w in float32).
@@ -51,7 +55,8 @@ NORMS: dict[str, type[nnx.Module]] = {"rms": RMSNorm, "layer": LayerNorm, "gemma
 NORM_PLACEMENTS: dict[str, tuple[str, ...]] = {
     "pre": ("input_layernorm", "post_attention_layernorm"),
     "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm")}
+                 "post_feedforward_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # config `hidden_act` (HF's names) -> the function; gelu_new / gelu_pytorch_tanh are the tanh approximation.
@@ -70,6 +75,7 @@ class DecoderConfig(ModelConfig):
       norm: a `NORMS` name ("rms": RMSNorm; "layer": LayerNorm with bias); norm_eps its epsilon.
       qkv_bias, o_bias: biases on q/k/v and on the output projection.
       qk_norm: a per-head RMSNorm on q and k before the rotary embedding (Qwen3).
+      qk_norm_full: instead, one RMSNorm over all of q's heads and one over all of k's (OLMo 2; `QKNorm`).
       sliding_window: keys a query sees, itself included (None: full attention).
       rope: the rotary embedding (`RopeConfig`); None: none (positions are learned embeddings).
       learned_positions: a position-embedding table added to the token embedding (GPT-2).
@@ -91,6 +97,7 @@ class DecoderConfig(ModelConfig):
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    qk_norm_full: bool = False
     sliding_window: int | None = None
     rope: RopeConfig | None = RopeConfig()
     learned_positions: bool = False
@@ -172,6 +179,8 @@ class Attention(nnx.Module):
                                                    rngs=rngs)
         self.q_norm = make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
+        self.qk_norm = QKNorm(self.qkv_proj.plan, hd, eps=cfg.norm_eps, dtype=dtype, rngs=rngs) \
+            if cfg.qk_norm_full else None
         self.freq = None if cfg.rope is None else tuple(inv_freq(cfg.rope, hd).tolist())   # static, not state
         ropes = cfg.layer_ropes()
         self.layer_freqs = None if ropes is None else tuple(tuple(inv_freq(r, hd).tolist()) for r in ropes)
@@ -185,6 +194,8 @@ class Attention(nnx.Module):
         q, k, v = self.qkv_proj(x)                           # [B, T, q_local | kv_local, hd]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
         if self.freq is not None:
             freq = np.asarray(self.freq, np.float32)
             if self.layer_freqs is not None:
@@ -240,6 +251,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = FEED_FORWARDS[cfg.feed_forward](cfg, tp, dtype, rngs)
 
     def __call__(self, h, positions, cache: LayerCache | None, layer: jax.Array | None = None):
+        if self.placement == "post":
+            a, cache = self.self_attn(h, positions, cache, layer)
+            h = h + self.post_attention_layernorm(a)
+            return h + self.post_feedforward_layernorm(self.mlp(h)), cache
         a, cache = self.self_attn(self.input_layernorm(h), positions, cache, layer)
         if self.placement == "pre":
             h = h + a

@@ -111,6 +111,9 @@ def llama_weights(cfg: DecoderConfig) -> WeightTable:
     if cfg.qk_norm:
         entries += [Entry(f"{hf}.self_attn.{n}.weight", f"{ours}.self_attn.{n}.weight", "weight")
                     for n in ("q_norm", "k_norm")]
+    if cfg.qk_norm_full:
+        entries += [Entry(f"{hf}.self_attn.{n}_norm.weight", f"{ours}.self_attn.qk_norm.{n}_weight", f"{n}_norm")
+                    for n in "qk"]
     ignored = [f"{hf}.self_attn.rotary_emb.inv_freq"] + (["lm_head.weight"] if cfg.tie_word_embeddings else [])
     return WeightTable(entries, ignored)
 

@@ -17,7 +17,7 @@ from tp_jax.parallel.layers.loading import (ExpertParam, LazyTensor, PartRows, S
 from tp_jax.parallel.layers.method import (Bfloat16, DerivedParam, LinearMethod, QuantizationError, Unquantized,
                                            UnsupportedLayerError, WeightParam)
 from tp_jax.parallel.layers.moe import Experts, FusedMoE, expert_slots
-from tp_jax.parallel.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm
+from tp_jax.parallel.layers.norm import GemmaRMSNorm, LayerNorm, QKNorm, RMSNorm
 from tp_jax.parallel.layers.quantization import (QuantizationConfig, apply_methods, quantization_config,
                                                  register_quantization)
 from tp_jax.parallel.layers.qkv import QKVParallelLinear
@@ -27,7 +27,7 @@ from tp_jax.parallel.layers.vocab import ParallelLMHead, ReplicatedEmbedding, Vo
 
 __all__ = ["ParallelModule", "ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear",
            "RowParallelLinear", "QKVParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
-           "ReplicatedEmbedding", "RMSNorm", "GemmaRMSNorm", "LayerNorm", "Stack", "padded_vocab_size",
+           "ReplicatedEmbedding", "RMSNorm", "GemmaRMSNorm", "QKNorm", "LayerNorm", "Stack", "padded_vocab_size",
            "LazyTensor", "PartRows", "ShardedParam", "WeightShapeError",
            "contiguous_rows", "replicated_rows", "expand_heads", "Entry", "WeightTable",
            "MethodLayer", "LinearMethod", "Unquantized", "Bfloat16", "Int8", "GGUFBlocks", "ByRows", "DerivedParam", "WeightParam",

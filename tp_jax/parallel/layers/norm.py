@@ -1,5 +1,6 @@
-"""Normalization layers, replicated on every tp rank: RMSNorm (Llama), GemmaRMSNorm (scale 1 + w) and
-LayerNorm with bias (GPT-2).
+"""Normalization layers: RMSNorm (Llama), GemmaRMSNorm (scale 1 + w) and LayerNorm with bias (GPT-2), replicated
+on every tp rank; and QKNorm (OLMo 2), an RMSNorm of q and of k over the whole projection width, whose heads
+are split over tp like QKVParallelLinear's.
 
 Both normalize over the last axis in float32 and hold their params whole on every rank
 (declared with `split=None`), so they run on the full hidden state between the
@@ -10,11 +11,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from tp_jax.parallel import collectives
+from tp_jax.parallel.heads import HeadPlan
 from tp_jax.parallel.layers.base import ParallelModule, check_tp_size
-from tp_jax.parallel.layers.loading import PartRows, ShardedParam
-from tp_jax.parallel.invariant import row_mean
+from tp_jax.parallel.layers.loading import PartRows, ShardedParam, expand_heads
+from tp_jax.parallel.invariant import row_mean, row_sum
+from tp_jax.parallel.mesh import TP
 
 
 class RMSNorm(ParallelModule):
@@ -77,3 +82,57 @@ class LayerNorm(ParallelModule):
         var = row_mean(jnp.square(x32 - mean), keepdims=True)
         y = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).astype(x.dtype) * self.weight[...]
         return y + self.bias[...] if self.bias is not None else y
+
+
+class QKNorm(ParallelModule):
+    """(q, k) -> (RMSNorm(q) * w_q, RMSNorm(k) * w_k), each over all heads' channels of the projection (OLMo 2: q_norm
+    over num_heads * hd, k_norm over num_kv_heads * hd), on the heads a rank holds (the head plan's slots).
+
+    The statistic spans every rank's heads: each rank sums the squares of its slots (padded slots hold zeros; a KV
+    head replicated over several ranks counts on its first rank only), one all-reduce over tp adds the q and k
+    sums together, and the mean divides by the real width. Weights are laid out like the QKV bias: w_q[tp * q_local
+    * hd] and w_k[tp * kv_local * hd], split over tp.
+
+    Args: `plan` (the QKV layer's head plan), `head_dim`, `eps`, `dtype`, `rngs`.
+    Checkpoint parts: "q_norm" `[num_heads * hd]`, "k_norm" `[num_kv_heads * hd]`.
+    """
+
+    def __init__(self, plan: HeadPlan, head_dim: int, *, eps: float = 1e-6, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.plan, self.head_dim, self.eps = plan, head_dim, eps
+        self.tp_size = plan.tp
+        decl = self.loading()
+        self.q_weight = nnx.Param(jnp.ones((plan.tp * plan.q_local * head_dim,), dtype),
+                                  out_sharding=decl["q_weight"].spec())
+        self.k_weight = nnx.Param(jnp.ones((plan.tp * plan.kv_local * head_dim,), dtype),
+                                  out_sharding=decl["k_weight"].spec())
+        kv = plan.kv_heads                                           # [tp, kv_local]; count a head's first copy
+        first = [[h >= 0 and h not in kv[:r].ravel() for h in row] for r, row in enumerate(kv)]
+        self.kv_counted = tuple(tuple(bool(c) for c in row) for row in first)
+
+    def loading(self):
+        hd, p = self.head_dim, self.plan
+        return {"q_weight": ShardedParam({"q_norm": PartRows((p.num_heads * hd,), expand_heads(p.q_heads, hd))},
+                                         split=0),
+                "k_weight": ShardedParam({"k_norm": PartRows((p.num_kv_heads * hd,), expand_heads(p.kv_heads, hd))},
+                                         split=0)}
+
+    def __call__(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q[..., q_local, hd], k[..., kv_local, hd] (this rank's slots) -> the same, normalized."""
+        q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+        counted = jnp.asarray(np.asarray(self.kv_counted, np.float32))
+        if self.tp_size > 1:
+            counted = counted[collectives.axis_index(TP)]
+        else:
+            counted = counted[0]
+        sq = row_sum(row_sum(q32 * q32))                              # [...] over hd, then the slots
+        sk = row_sum(row_sum(k32 * k32) * counted)
+        both = jnp.stack([sq, sk], axis=-1)
+        if self.tp_size > 1:
+            both = collectives.all_reduce(both, TP)                 # one all-reduce for q and k
+        hd, p = self.head_dim, self.plan
+        inv = jax.lax.rsqrt(both / jnp.asarray([p.num_heads * hd, p.num_kv_heads * hd], jnp.float32) + self.eps)
+        wq = self.q_weight[...].reshape(p.q_local, hd)
+        wk = self.k_weight[...].reshape(p.kv_local, hd)
+        q_out = wq * (q32 * inv[..., 0, None, None]).astype(q.dtype)
+        k_out = wk * (k32 * inv[..., 1, None, None]).astype(k.dtype)
+        return q_out, k_out

@@ -1,0 +1,33 @@
+"""OlmoeForCausalLM: Llama's pre-norm layer with OLMo 2's q/k norms over the whole width and routed experts.
+
+    q, k = q_norm(q_proj(x)), k_norm(k_proj(x))      over all heads' channels (`QKNorm`, one tp all-reduce)
+    mlp(x) = sum_k p_k expert_k(x)                   p = softmax(router(x)) over the experts, its top k
+                                                     (renormalized only with `norm_topk_prob`, off in OLMoE)
+
+Experts are `intermediate_size` wide; no shared expert. The MoE block, expert parallelism and the
+name tables are the MoE models' (tp_jax/models/moe.py). `clip_qkv` is refused unless null (its release).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tp_jax.models.causal_lm import CausalLM
+from tp_jax.models.llama import llama_config
+from tp_jax.models.moe import moe_extend, moe_fields, moe_weights
+from tp_jax.models.registry import register
+
+
+class OlmoeForCausalLM(CausalLM):
+    """The shared causal-LM shell with `feed_forward="moe"` and whole-width q/k norms."""
+
+
+def _olmoe_extend(f: dict, arch: str):
+    cls, more = moe_extend("num_experts")(f, arch)
+    return cls, {**more, "qk_norm_full": True}
+
+
+olmoe_config = functools.partial(llama_config, extra_fields={**moe_fields("num_experts"), "norm_topk_prob": False},
+                                 extend=_olmoe_extend)
+
+register("OlmoeForCausalLM", OlmoeForCausalLM, config=olmoe_config, weights=moe_weights)

@@ -27,7 +27,8 @@ def _olmoe_extend(f: dict, arch: str):
     return cls, {**more, "qk_norm_full": True}
 
 
-olmoe_config = functools.partial(llama_config, extra_fields={**moe_fields("num_experts"), "norm_topk_prob": False},
-                                 extend=_olmoe_extend)
+# the published OLMoE-1B-7B config.json leaves rms_norm_eps to the class default
+olmoe_config = functools.partial(llama_config, extra_fields={**moe_fields("num_experts"), "norm_topk_prob": False,
+                                                             "rms_norm_eps": 1e-5}, extend=_olmoe_extend)
 
 register("OlmoeForCausalLM", OlmoeForCausalLM, config=olmoe_config, weights=moe_weights)

@@ -66,6 +66,13 @@ class Binding:
     entries: dict[str, Entry]          # part -> entry
     stacked: bool
     key: tuple = ()                    # the path as nnx's flat state spells it
+    layer_map: tuple[int, ...] | None = None     # its Stack's own slot -> layer map (None: the model's)
+
+    def layers(self, num_layers: int) -> list[int | None]:
+        """The checkpoint layers this param reads ([None]: not stacked)."""
+        if not self.stacked:
+            return [None]
+        return list(range(num_layers)) if self.layer_map is None else sorted(i for i in self.layer_map if i >= 0)
 
     def tensor_names(self, layer: int | None) -> dict[str, str]:
         return {p: e.name(layer) for p, e in self.entries.items()}
@@ -90,17 +97,19 @@ class _Param(NamedTuple):
     attr: str                   # its attribute name there
     stacked: bool               # under a Stack (one slot per layer)
     key: tuple                  # the path as nnx's flat state spells it
+    layer_map: tuple[int, ...] | None = None     # the Stack's own slot -> layer map, if it has one
 
 
 def _params(model: nnx.Module) -> dict[str, _Param]:
     """Dotted param path -> _Param, for every nnx.Param of `model`."""
     out = {}
     for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        module, stacked = model, False
+        module, stacked, layer_map = model, False, None
         for p in path[:-1]:
             module = module[p] if isinstance(p, int) else getattr(module, str(p))
-            stacked = stacked or isinstance(module, Stack)
-        out[".".join(str(p) for p in path)] = _Param(module, str(path[-1]), stacked, tuple(path))
+            if isinstance(module, Stack):
+                stacked, layer_map = True, module.layer_map
+        out[".".join(str(p) for p in path)] = _Param(module, str(path[-1]), stacked, tuple(path), layer_map)
     return out
 
 
@@ -136,7 +145,7 @@ def bind(model: nnx.Module, table: WeightTable | Sequence[Entry]) -> list[Bindin
     if problems:
         raise NameTableError(_listing(f"the name table does not fit {type(model).__name__}", problems))
     return [Binding(path, params[path].module, params[path].attr, decl, filled[_reads(path, decl)],
-                    params[path].stacked, params[path].key) for path, decl in decls.items()]
+                    params[path].stacked, params[path].key, params[path].layer_map) for path, decl in decls.items()]
 
 
 def _reads(path: str, decl: ShardedParam) -> str:
@@ -200,7 +209,7 @@ def check_source(bindings: list[Binding], source, table: WeightTable | Sequence[
     table = as_table(table)
     missing, wrong, used, rows_used = [], [], set(), {}
     for b in bindings:
-        for layer in (range(num_layers) if b.stacked else [None]):
+        for layer in b.layers(num_layers):
             for part, e in b.entries.items():
                 name = e.name(layer)
                 if name not in source:

@@ -95,7 +95,7 @@ def tensor_split_dims(cfg: ModelConfig) -> dict[str, int | None]:
     model = abstract_model(cfg, mesh)
     out = {}
     for b in bind(model, architecture(cfg.architecture).weights(cfg)):
-        for layer in (range(cfg.num_layers) if b.stacked else [None]):
+        for layer in b.layers(cfg.num_layers):
             for part, e in b.entries.items():
                 dim = b.decl.split
                 if dim is not None and e.layout == "in_out":

@@ -140,7 +140,7 @@ def load_state(model: nnx.Module, mesh: Mesh, source, table: WeightTable | Seque
     with tqdm(total=len(bindings), desc="loading weights", unit="param", disable=not progress) as bar:
         for b in bindings:
             loaded[b.key] = place_param(b, flat_state[b.key].get_value(), flat_specs[b.key].get_value(), mesh,
-                                        source, dtype, layer_map, check_weights)
+                                        source, dtype, b.layer_map or layer_map, check_weights)
             bar.update(1)
     return loaded
 

@@ -68,7 +68,7 @@ def _weight_bindings(model, table) -> list[Binding]:
 def _tensors(b: Binding, source, num_layers: int) -> dict:
     """Checkpoint tensor name -> its lazy view, for every layer and part filling `b` (headers only)."""
     out = {}
-    for layer in (range(num_layers) if b.stacked else [None]):
+    for layer in b.layers(num_layers):
         names = b.tensor_names(layer)
         if all(n in source for n in names.values()):           # missing ones: check_source names them
             out.update({names[p]: v for p, v in b.tensors(source, layer).items()})

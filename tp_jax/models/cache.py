@@ -23,6 +23,7 @@ is what a model tells the engine about the cache it needs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -99,25 +100,23 @@ class LayerCache:
 
 
 def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache | None = None,
-               microbatches: int = 1, layer_map: tuple[int, ...] | None = None) -> tuple[jax.Array, KVCache | None]:
+               microbatches: int = 1, slot_args: Callable | None = None) -> tuple[jax.Array, KVCache | None]:
     """h[B, T, D] through every layer of `stack` (pp stages, GPipe micro-batches); the pool written in place.
 
-    `layer_map` (stacked slot -> HF layer, -1: identity; None: the layers are alike): each layer is called
-    with its HF index as a 4th argument (a traced int32; 0 for an identity slot), to pick its own row of
-    the per-layer tables (window, rotary) of a stack whose layers differ."""
+    `slot_args(slot) -> tuple` (None: the layers are alike): more arguments for the layer at global stacked slot
+    `slot` (a traced int32: the stage's first slot + the local index), e.g. its index for per-layer tables."""
     rows = (positions, None if cache is None else cache.batch)
     pools = None if cache is None else (cache.k, cache.v)
     backend = "reference" if cache is None else cache.backend
-    hf_index = None if layer_map is None else np.maximum(np.asarray(layer_map, np.int32), 0)
 
     def stage(h, rows, pools, valid):
         pos, batch = rows
         batch = None if batch is None else batch.masked(valid)
-        first = 0 if hf_index is None or collectives.axis_size(PP) == 1 else \
-            collectives.axis_index(PP) * (len(hf_index) // collectives.axis_size(PP))
+        pp = collectives.axis_size(PP)
+        first = 0 if slot_args is None or pp == 1 else collectives.axis_index(PP) * (stack.num_layers // pp)
 
         def layer_step(layer, index, h, pools):
-            more = () if hf_index is None else (jnp.asarray(hf_index)[first + index],)
+            more = () if slot_args is None else slot_args(first + index)
             if pools is None:
                 return layer(h, pos, None, *more)[0], None
             h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend), *more)

@@ -16,6 +16,8 @@ config map, its HF name table and `register(...)`, and its class is `CausalLM` b
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -25,11 +27,58 @@ from flax import nnx
 
 from tp_jax.models.attention import soft_cap
 from tp_jax.models.cache import KVCache, KVLayout, run_layers
-from tp_jax.models.decoder import DecoderConfig, DecoderLayer, make_norm
+from tp_jax.models.decoder import FEED_FORWARDS, DecoderConfig, DecoderLayer, make_norm
 from tp_jax.parallel.heads import plan_heads
 from tp_jax.parallel.layers import ParallelLMHead, ReplicatedEmbedding, VocabParallelEmbedding
 from tp_jax.parallel.layers.stack import Stack
 from tp_jax.parallel.pipeline import stage_layer_map
+
+
+@dataclasses.dataclass(frozen=True)
+class FeedForwardPlan:
+    """Where each layer's feed-forward lives when a model has several kinds (`DecoderConfig.ff_kinds`).
+
+    kinds: the kinds in stack order; stack_maps: kind -> its stack's slot -> HF layer (-1: padding), stage-major,
+    every stage holding as many slots of the kind as the stage with the most; branch[slot] / local[slot]: for each
+    slot of the model's layer stack, 1 + the index of its kind (0: an identity slot, no feed-forward) and its
+    slot among the stage's slots of that kind's stack.
+    """
+    kinds: tuple[str, ...]
+    maps: tuple[tuple[int, ...], ...]            # the kinds' stack maps, in `kinds` order (hashable: static)
+    branch: tuple[int, ...]
+    local: tuple[int, ...]
+
+    @property
+    def stack_maps(self) -> dict[str, tuple[int, ...]]:
+        return dict(zip(self.kinds, self.maps))
+
+    def caller(self, views: dict):
+        """`mlp(slot, x)`: the feed-forward of the layer at global slot `slot` (traced), through a `lax.switch` over
+        the kinds; `views`: kind -> its stack's `slot_view()`."""
+        branch, local = jnp.asarray(self.branch, jnp.int32), jnp.asarray(self.local, jnp.int32)
+
+        def run(kind, index, x):
+            with views[kind](index) as ff:
+                return ff(x)
+
+        branches = [lambda index, x: jnp.zeros_like(x)] + [functools.partial(run, k) for k in self.kinds]
+        return lambda slot, x: jax.lax.switch(branch[slot], branches, local[slot], x)
+
+
+def feed_forward_plan(ff_kinds: tuple[str, ...], layer_map: tuple[int, ...], pp: int) -> FeedForwardPlan:
+    kinds = tuple(sorted(set(ff_kinds)))
+    per_stage = len(layer_map) // pp
+    stages = [layer_map[s * per_stage:(s + 1) * per_stage] for s in range(pp)]
+    maps, branch, local = {}, [0] * len(layer_map), [0] * len(layer_map)
+    for b, kind in enumerate(kinds, start=1):
+        of_stage = [[i for i in stage if i >= 0 and ff_kinds[i] == kind] for stage in stages]
+        width = max(len(layers) for layers in of_stage)
+        maps[kind] = tuple(i for layers in of_stage for i in layers + [-1] * (width - len(layers)))
+        for s, stage in enumerate(stages):
+            for j, i in enumerate(stage):
+                if i >= 0 and ff_kinds[i] == kind:
+                    branch[s * per_stage + j], local[s * per_stage + j] = b, of_stage[s].index(i)
+    return FeedForwardPlan(kinds, tuple(maps[k] for k in kinds), tuple(branch), tuple(local))
 
 
 class DecoderModel(nnx.Module):
@@ -49,6 +98,11 @@ class DecoderModel(nnx.Module):
         self.norm = make_norm(cfg, d, tp, dtype, rngs)
         self.embed_scale = math.sqrt(d) if cfg.embed_scale else None
         self.varies = cfg.layer_types is not None       # layers differ: each is told its index (DecoderLayer)
+        # feed-forwards of several kinds: one stack per kind, each stage's slots of it padded to the busiest stage
+        self.ff_plan = None if cfg.ff_kinds is None else feed_forward_plan(cfg.ff_kinds, self.layer_map, pp)
+        self.ff_stacks = None if self.ff_plan is None else nnx.Dict({
+            kind: Stack(lambda r, kind=kind: FEED_FORWARDS[kind](cfg, tp, dtype, r), len(m), rngs, layer_map=m)
+            for kind, m in self.ff_plan.stack_maps.items()})
 
     def __call__(self, ids, positions, cache: KVCache | None = None, microbatches: int = 1):
         h = self.embed_tokens(ids)
@@ -56,9 +110,17 @@ class DecoderModel(nnx.Module):
             h = h * jnp.asarray(self.embed_scale, h.dtype)
         if self.embed_positions is not None:
             h = h + self.embed_positions(positions)
-        h, cache = run_layers(self.layers, h, positions, cache, microbatches,
-                              self.layer_map if self.varies else None)
+        h, cache = run_layers(self.layers, h, positions, cache, microbatches, self._slot_args())
         return self.norm(h), cache
+
+    def _slot_args(self):
+        """`slot -> (layer index, its feed-forward)` for layers that differ (None: they are alike)."""
+        if not self.varies and self.ff_plan is None:
+            return None
+        hf = jnp.asarray(np.maximum(np.asarray(self.layer_map, np.int32), 0))
+        mlp = None if self.ff_plan is None else self.ff_plan.caller(
+            {kind: stack.slot_view() for kind, stack in self.ff_stacks.items()})
+        return lambda slot: (hf[slot], None if mlp is None else functools.partial(mlp, slot))
 
 
 class CausalLM(nnx.Module):

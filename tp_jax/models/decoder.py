@@ -90,6 +90,8 @@ class DecoderConfig(ModelConfig):
       attn_softcap, final_softcap: tanh soft-capping of the attention scores and of the logits (None: none).
       norm_placement: a `NORM_PLACEMENTS` name, which norms a layer has and where.
       embed_scale: the token embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype.
+      ff_kinds: None (every layer's feed-forward is `feed_forward`), or a `FEED_FORWARDS` name per layer (a
+        Qwen MoE stack with dense layers): each kind's layers are their own stack (tp_jax/models/causal_lm.py).
     """
     intermediate_size: int
     norm: str = "rms"
@@ -112,6 +114,7 @@ class DecoderConfig(ModelConfig):
     final_softcap: float | None = None
     norm_placement: str = "pre"
     embed_scale: bool = False
+    ff_kinds: tuple[str, ...] | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -131,6 +134,10 @@ class DecoderConfig(ModelConfig):
                                  f"each of the {self.num_layers} layers")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError(f"{name}: layer_types has sliding layers but sliding_window is None")
+        if self.ff_kinds is not None and (len(self.ff_kinds) != self.num_layers or
+                                          not set(self.ff_kinds) <= set(FEED_FORWARDS)):
+            raise ValueError(f"{name}: ff_kinds={self.ff_kinds!r} must name one of {sorted(FEED_FORWARDS)} for each "
+                             f"of the {self.num_layers} layers")
         for field in ("attn_softcap", "final_softcap"):
             cap = getattr(self, field)
             if cap is not None and not cap > 0:
@@ -248,16 +255,19 @@ class DecoderLayer(nnx.Module):
         for name in NORM_PLACEMENTS[cfg.norm_placement]:
             setattr(self, name, make_norm(cfg, cfg.hidden_size, tp, dtype, rngs))
         self.self_attn = Attention(cfg, tp, dtype, rngs)
-        self.mlp = FEED_FORWARDS[cfg.feed_forward](cfg, tp, dtype, rngs)
+        self.mlp = FEED_FORWARDS[cfg.feed_forward](cfg, tp, dtype, rngs) if cfg.ff_kinds is None else None
 
-    def __call__(self, h, positions, cache: LayerCache | None, layer: jax.Array | None = None):
+    def __call__(self, h, positions, cache: LayerCache | None, layer: jax.Array | None = None, mlp=None):
+        """`layer`: the layer's index (layers that differ); `mlp`: its feed-forward when the model holds the
+        feed-forwards in stacks of their own (`ff_kinds`), else `self.mlp`."""
+        mlp = self.mlp if mlp is None else mlp
         if self.placement == "post":
             a, cache = self.self_attn(h, positions, cache, layer)
             h = h + self.post_attention_layernorm(a)
-            return h + self.post_feedforward_layernorm(self.mlp(h)), cache
+            return h + self.post_feedforward_layernorm(mlp(h)), cache
         a, cache = self.self_attn(self.input_layernorm(h), positions, cache, layer)
         if self.placement == "pre":
             h = h + a
-            return h + self.mlp(self.post_attention_layernorm(h)), cache
+            return h + mlp(self.post_attention_layernorm(h)), cache
         h = h + self.post_attention_layernorm(a)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), cache
+        return h + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(h))), cache

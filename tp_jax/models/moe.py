@@ -5,9 +5,9 @@
 * `MoEConfig`: `DecoderConfig` plus the router's and experts' sizes and the parallel layout
   (`enable_expert_parallel`, from `LLM(enable_expert_parallel=...)`; `data_parallel_size`, set by
   the loader from the mesh, since EP places whole experts on the dp x tp devices of a stage).
-* `moe_config(...)`: the Llama-family config map plus the MoE fields. Qwen's heterogeneous
-  stacks (`mlp_only_layers`, `decoder_sparse_step` > 1: some layers dense) are refused, naming
-  the field: the layers are one stacked scan of identical layers.
+* `moe_extend(...)`: the Llama-family config map's MoE fields. Qwen's heterogeneous stacks
+  (`mlp_only_layers`, `decoder_sparse_step` > 1: some layers dense) set `ff_kinds`: the model then holds
+  its dense and its MoE feed-forwards in a stack each (tp_jax/models/causal_lm.py, `FeedForwardPlan`).
 * `moe_weights(...)`: Llama's name table with the feed-forward entries replaced by the router,
   one entry per expert and projection (per-expert tensors, as `save_pretrained` writes them) and
   the shared expert. `fused_expert_weights(...)`: the same table for transformers 5's fused
@@ -97,7 +97,6 @@ def moe_fields(experts: str, *, qwen: bool = False, shared: bool = False, sparse
 def moe_extend(experts: str, *, renormalize: bool | None = None, shared: bool = False):
     """`extend` for `llama_config`: (MoEConfig, its MoE arguments) from the read fields."""
     def extend(f: dict, arch: str):
-        _refuse_dense_layers(f, arch)
         if not f[experts]:
             raise UnsupportedConfigError(f"the config of {arch} lacks the expert count ({experts!r}: "
                                          f"config.json's num_experts / num_local_experts)")
@@ -105,22 +104,24 @@ def moe_extend(experts: str, *, renormalize: bool | None = None, shared: bool = 
             num_experts=int(f[experts]), num_experts_per_tok=int(f["num_experts_per_tok"]),
             moe_intermediate_size=int(f.get("moe_intermediate_size") or f["intermediate_size"]),
             norm_topk_prob=bool(f["norm_topk_prob"]) if renormalize is None else renormalize,
-            shared_expert_intermediate_size=int(f["shared_expert_intermediate_size"]) if shared else None)
+            shared_expert_intermediate_size=int(f["shared_expert_intermediate_size"]) if shared else None,
+            ff_kinds=_feed_forward_kinds(f, arch))
     return extend
 
 
-def _refuse_dense_layers(f: dict, arch: str) -> None:
-    step, dense = int(f.get("decoder_sparse_step") or 1), list(f.get("mlp_only_layers") or [])
+def _feed_forward_kinds(f: dict, arch: str) -> tuple[str, ...] | None:
+    """Qwen's sparse layers: layer i is MoE iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    (transformers' rule), dense otherwise; None when every layer is MoE."""
+    step, dense = f.get("decoder_sparse_step") or 1, list(f.get("mlp_only_layers") or [])
     n = f["num_hidden_layers"]
-    if step != 1:
-        raise UnsupportedConfigError(
-            f"config field decoder_sparse_step={step} makes only every {step}th layer of {arch} an MoE layer and "
-            f"the others dense; tp_jax runs one stack of identical layers. Use a checkpoint with "
-            f"decoder_sparse_step=1 (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen2-57B-A14B have it)")
-    if dense:
-        raise UnsupportedConfigError(
-            f"config field mlp_only_layers={dense} makes layers {dense} of {arch} dense ({n} layers); tp_jax runs "
-            f"one stack of identical MoE layers. Use a checkpoint with mlp_only_layers=[]")
+    if not isinstance(step, int) or step < 1:
+        raise UnsupportedConfigError(f"config field decoder_sparse_step={step!r} must be a positive integer")
+    bad = [i for i in dense if not isinstance(i, int) or not 0 <= i < n]
+    if bad:
+        raise UnsupportedConfigError(f"config field mlp_only_layers={dense} names layers {bad} outside {arch}'s "
+                                     f"{n} layers (num_hidden_layers)")
+    kinds = tuple("moe" if i not in dense and (i + 1) % step == 0 else "dense" for i in range(n))
+    return None if set(kinds) == {"moe"} else kinds
 
 
 def moe_weights(cfg: MoEConfig, *, prefix: str = "mlp", names=("gate_proj", "up_proj", "down_proj"),
@@ -138,7 +139,23 @@ def moe_weights(cfg: MoEConfig, *, prefix: str = "mlp", names=("gate_proj", "up_
             param = "down" if part == "down" else "gate_up"
             entries.append(Entry(f"{hf}.experts.{e}.{name}.weight", f"{ours}.experts.{param}", f"{part}.{e}"))
     entries += _shared_entries(cfg, hf, ours)
-    return WeightTable(entries, base.ignored, variants=(fused_expert_weights(cfg, entries, prefix),))
+    if cfg.ff_kinds is None:
+        return WeightTable(entries, base.ignored, variants=(fused_expert_weights(cfg, entries, prefix),))
+    dense = [e for e in base.entries if e.param.startswith(ours + ".")]       # the dense layers' MLP entries
+    fused = fused_expert_weights(cfg, entries, prefix).entries
+    return WeightTable(_kind_stacks(entries + dense, ours, dense), base.ignored,
+                       variants=(WeightTable(_kind_stacks(list(fused) + dense, ours, dense), base.ignored),))
+
+
+def _kind_stacks(entries: list[Entry], ours: str, dense: list[Entry]) -> list[Entry]:
+    """The feed-forward entries moved to the model's per-kind stacks (a stack with dense and MoE layers)."""
+    out = []
+    for e in entries:
+        if e.param.startswith(ours + "."):
+            kind = "dense" if e in dense else "moe"
+            e = dataclasses.replace(e, param=f"model.ff_stacks.{kind}.layers." + e.param[len(ours) + 1:])
+        out.append(e)
+    return out
 
 
 def _shared_entries(cfg: MoEConfig, hf: str, ours: str) -> list[Entry]:

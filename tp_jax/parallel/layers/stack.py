@@ -39,16 +39,21 @@ class Stack(nnx.Module):
       make: `make(rngs) -> module`, called once per layer (under `nnx.vmap`).
       num_layers: N (>= 1).
       rngs: `nnx.Rngs`, split per layer.
+      layer_map: slot -> checkpoint layer index (-1: a padding slot, zeros) for the loader, when this stack's
+        slots are not the model's own `layer_map` (a stack holding one kind of a model's varied layers).
 
     `stack(fn, h, carry)` runs `h, carry = fn(layer_i, i, h, carry)` over the local layers (a scan; a switched
-    loop after `unstack`) and returns (h, carry). In a name table, a
-    stacked param's path is "<stack path>.layers.<param>" and its checkpoint names carry `{i}` for the layer
-    index.
+    loop after `unstack`) and returns (h, carry); `stack.slot_view()` gives one local slot at a traced index. In a name table, a stacked param's path is "<stack path>.layers.<param>" and its checkpoint
+    names carry `{i}` for the layer index.
     """
 
-    def __init__(self, make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs):
+    def __init__(self, make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs,
+                 layer_map: tuple[int, ...] | None = None):
         if num_layers < 1:
             raise ValueError(f"Stack: num_layers={num_layers} must be >= 1.")
+        if layer_map is not None and len(layer_map) != num_layers:
+            raise ValueError(f"Stack: layer_map has {len(layer_map)} slots for num_layers={num_layers}.")
+        self.layer_map = None if layer_map is None else tuple(int(i) for i in layer_map)
 
         @nnx.split_rngs(splits=num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: PP})
@@ -78,6 +83,17 @@ class Stack(nnx.Module):
 
     def _switched(self, fn: Callable, h: jax.Array, carry):
         """The loop of `unstack()`: one layer body, GEMM weights switched, the rest indexed."""
+        slot = self._switched_slot()
+
+        def body(index, c):
+            with slot(index) as layer:
+                return fn(layer, index, *c)
+
+        return jax.lax.fori_loop(0, len(self.slots), body, (h, carry))
+
+    def _switched_slot(self):
+        """`slot(index)`: a context giving the unstacked layer at a traced local index, its GEMMs switched over
+        the slots' own weights and its other params indexed from stacked copies."""
         graphdef, _ = nnx.split(self.slots[0])
         states = [jax.tree.map(lambda x: x[0], nnx.split(slot)[1]) for slot in self.slots]   # bitcasts
         peers = [nnx.merge(graphdef, state) for state in states]
@@ -89,16 +105,32 @@ class Stack(nnx.Module):
                    for k, keep in enumerate(kept)]
         slots_of = [_gemm_layers(peer) for peer in peers]
 
-        def body(index, c):
+        @contextlib.contextmanager
+        def slot(index):
             leaves = [flat[0][0][k] if keep else jax.lax.dynamic_index_in_dim(stacked[k], index, keepdims=False)
                       for k, keep in enumerate(kept)]
             layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
             with contextlib.ExitStack() as switching:
                 for k, node in enumerate(_gemm_layers(layer)):
                     switching.enter_context(node.switching(index, [same[k] for same in slots_of]))
-                return fn(layer, index, *c)
+                yield layer
 
-        return jax.lax.fori_loop(0, len(self.slots), body, (h, carry))
+        return slot
+
+    def slot_view(self) -> Callable:
+        """`view(index)`: a context giving the layer at local slot `index` (a traced int32) alone, for a caller running
+        one slot from another stack's loop: sliced from the stacked params, or (after `unstack`) with its GEMMs
+        switched over the slots. Build the view once, outside the loop that calls it (it stacks the switched
+        layers' small params)."""
+        if self.slots is not None:
+            return self._switched_slot()
+        graphdef, state = nnx.split(self.layers)
+
+        @contextlib.contextmanager
+        def view(index):
+            yield nnx.merge(graphdef, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False),
+                                                   state))
+        return view
 
     def unstack(self, mesh: jax.sharding.Mesh) -> None:
         """Store one array per local layer slot, looped over with switched GEMMs (see the module doc); the

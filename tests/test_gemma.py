@@ -1,5 +1,6 @@
 """Gemma 2 and Gemma 3 (text) vs transformers: tiny random checkpoints written by transformers, at every (dp, pp, tp)
-factorization of 8 devices their 4 layers allow, with 6 query / 2 KV heads (tp 4 and 8 pad and replicate heads).
+factorization of 8 devices their 4 layers allow (Gemma 3; Gemma 2 at four of them), with 6 query / 2 KV heads (tp 4
+and 8 pad and replicate heads).
 
 Each checkpoint makes every Gemma part matter, and the reference proves it: the soft-caps change transformers'
 own logits, the sliding window changes them past the window, Gemma 3's two rotary bases change them.
@@ -89,9 +90,14 @@ def references(tmp_path_factory):
     return {name: hf_reference(name, root) for name in VARIANTS}
 
 
-@pytest.mark.parametrize("dp,pp,tp", MESHES, ids=lambda v: str(v))
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_logits_and_greedy_match_transformers(references, name, dp, pp, tp):
+# Gemma 3 (both rotary bases, q/k norms) at every factorization; Gemma 2 (soft-caps) at one device, pp x tp, tp 8
+# with padded heads, and all three axes
+CASES = [("gemma3", m) for m in MESHES] + [("gemma2", m) for m in ((1, 1, 1), (1, 4, 2), (1, 1, 8), (2, 2, 2))]
+
+
+@pytest.mark.parametrize("name,mesh", CASES, ids=[f"{n}-{m}" for n, m in CASES])
+def test_logits_and_greedy_match_transformers(references, name, mesh):
+    dp, pp, tp = mesh
     path, ids, ref, greedy = references[name]
     llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, progress=False)
     assert llm.config.architecture == VARIANTS[name][1]["architectures"][0]

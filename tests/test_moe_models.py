@@ -127,11 +127,16 @@ def test_fused_expert_checkpoint(moe_references, ep):
     check(moe_references, "qwen3_moe", 2, 1, 4, ep, path=moe_references["qwen3_moe"][0] + "_fused")
 
 
-@pytest.mark.parametrize("field,value", [("mlp_only_layers", [1]), ("decoder_sparse_step", 2)])
+@pytest.mark.parametrize("field,value,kinds", [("mlp_only_layers", [1], ("moe", "dense")),
+                                               ("decoder_sparse_step", 2, ("dense", "moe"))])
 @pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
-def test_dense_layers_are_refused_by_name(name, field, value):
+def test_dense_layers_are_a_feed_forward_kind_per_layer(name, field, value, kinds):
+    """transformers' rule: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    (the stacks with dense layers run in tests/test_mixed_layers.py)."""
     cfg = hf_config(name)
     setattr(cfg, field, value)
+    assert config_from_hf(cfg).ff_kinds == kinds
+    setattr(cfg, field, [7] if field == "mlp_only_layers" else 0)
     with pytest.raises(UnsupportedConfigError, match=rf"config field {field}="):
         config_from_hf(cfg)
 

@@ -112,7 +112,8 @@ def moe_extend(experts: str, *, renormalize: bool | None = None, shared: bool = 
 def _feed_forward_kinds(f: dict, arch: str) -> tuple[str, ...] | None:
     """Qwen's sparse layers: layer i is MoE iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
     (transformers' rule), dense otherwise; None when every layer is MoE."""
-    step, dense = f.get("decoder_sparse_step") or 1, list(f.get("mlp_only_layers") or [])
+    step, dense = f.get("decoder_sparse_step"), list(f.get("mlp_only_layers") or [])
+    step = 1 if step is None else step
     n = f["num_hidden_layers"]
     if not isinstance(step, int) or step < 1:
         raise UnsupportedConfigError(f"config field decoder_sparse_step={step!r} must be a positive integer")

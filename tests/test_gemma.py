@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.tiny_models import logits_and_greedy, randomize
+from tests.tiny_models import check_int8_and_orbax, logits_and_greedy, randomize
 from tp_jax.models.config import UnsupportedConfigError, config_from_hf
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
@@ -122,3 +122,9 @@ def test_long_prompts_cross_the_window_in_chunks_and_from_the_prefix_cache(refer
     second = llm.generate([prompts[1]], params)[0]
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
     assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [hf_greedy(path, p, 8) for p in prompts]
+
+
+def test_int8_and_orbax(references, tmp_path):
+    """Gemma 3 with quantization="int8" (transformers on the int8 round-tripped weights) and through Orbax."""
+    path, ids, logits = references["gemma3"][:3]
+    check_int8_and_orbax(path, ids, logits, str(tmp_path / "orbax"), tensor_parallel_size=2)

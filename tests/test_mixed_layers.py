@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.tiny_models import logits_and_greedy, randomize
+from tests.tiny_models import check_int8_and_orbax, logits_and_greedy, randomize
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
@@ -85,3 +85,9 @@ def test_the_model_holds_each_kind_once(references):
 def jax_leaves(state):
     import jax
     return jax.tree.leaves(state)
+
+
+def test_int8_and_orbax(references, tmp_path):
+    """the stack with dense and MoE layers with quantization="int8" (transformers on the int8 round-tripped weights) and through Orbax."""
+    path, ids, logits = references["sparse_step_2"][:3]
+    check_int8_and_orbax(path, ids, logits, str(tmp_path / "orbax"), tensor_parallel_size=2)

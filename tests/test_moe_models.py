@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.tiny_models import logits_and_greedy, randomize
+from tests.tiny_models import dequantized_reference, logits_and_greedy, randomize
 from tp_jax.models.config import UnsupportedConfigError, config_from_hf
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
@@ -202,21 +202,6 @@ def test_orbax_convert_and_restore(moe_references, tmp_path, ep):
     out = str(tmp_path / "orbax")
     convert_to_orbax(moe_references["qwen2_moe"][0], out)
     check(moe_references, "qwen2_moe", 2, 1, 4, ep, path=out)
-
-
-def dequantized_reference(path: str, ids: np.ndarray) -> np.ndarray:
-    """transformers' logits with every weight int8 quantizes replaced by its int8 round trip: per output row
-    (the last dim of torch's [.., out, in] layout: linear layers, both tables, the stacked experts), the
-    router (`mlp.gate`) and the norms float."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
-                s = p.abs().amax(dim=-1, keepdim=True) / 127
-                p.copy_(torch.round(p / torch.where(s > 0, s, 1)).clamp(-127, 127) * s)
-        return model(torch.tensor(ids)).logits.float().numpy()
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp_layout", "ep"])

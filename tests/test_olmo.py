@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.hlo import count, loop_bodies
-from tests.tiny_models import logits_and_greedy, randomize
+from tests.tiny_models import check_int8_and_orbax, logits_and_greedy, randomize
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
@@ -74,3 +74,9 @@ def test_whole_width_qk_norm_costs_one_all_reduce_per_layer(references):
     hlo = jax.jit(lambda i, p: fn(i, p)).lower(ids.astype(np.int32), pos).compile().as_text()
     reduces = [count(body, "all-reduce") for body in loop_bodies(hlo)]
     assert 3 in reduces and set(reduces) <= {0, 3}
+
+
+def test_int8_and_orbax(references, tmp_path):
+    """OLMoE with quantization="int8" (transformers on the int8 round-tripped weights) and through Orbax."""
+    path, ids, logits = references["olmoe"][:3]
+    check_int8_and_orbax(path, ids, logits, str(tmp_path / "orbax"), tensor_parallel_size=2)

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.tiny_models import hf_greedy, logits_and_greedy, randomize
+from tests.tiny_models import check_int8_and_orbax, hf_greedy, logits_and_greedy, randomize
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
@@ -98,3 +98,9 @@ def test_long_context_uses_the_long_factors(references, name):
     prompt = ids[0, :36].tolist()
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8)
+
+
+def test_int8_and_orbax(references, tmp_path):
+    """Phi-4-mini with quantization="int8" (transformers on the int8 round-tripped weights) and through Orbax."""
+    path, ids, logits = references["phi4_mini"][:3]
+    check_int8_and_orbax(path, ids, logits, str(tmp_path / "orbax"), tensor_parallel_size=2, max_model_len=ORIGINAL)

@@ -113,3 +113,31 @@ def make_tokenized_checkpoint(root: str, gguf_path: str) -> str:
     LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
     load_tokenizer(gguf_path).save_pretrained(path)
     return path
+
+
+def dequantized_reference(path: str, ids: np.ndarray) -> np.ndarray:
+    """transformers' logits with every weight int8 quantizes replaced by its int8 round trip: per output row
+    (the last dim of torch's [.., out, in] layout: linear layers, both tables, the stacked experts), the
+    router (`mlp.gate`) and the norms float."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
+                s = p.abs().amax(dim=-1, keepdim=True) / 127
+                p.copy_(torch.round(p / torch.where(s > 0, s, 1)).clamp(-127, 127) * s)
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+def check_int8_and_orbax(path: str, ids: np.ndarray, logits: np.ndarray, orbax_dir: str, **mesh) -> None:
+    """A model family through the rest of the stack: `quantization="int8"` equals transformers on the int8
+    round-tripped weights (and differs visibly from the float model); an Orbax conversion restores the same logits."""
+    from tp_jax.loaders.orbax import convert_to_orbax
+    from tp_jax.serving.llm import LLM
+    int8 = LLM(path, quantization="int8", progress=False, **mesh).get_logits(ids)
+    diff = float(np.abs(int8 - dequantized_reference(path, ids)).max())
+    assert diff <= 2e-4 and 10 * diff < float(np.abs(int8 - logits).max()), diff
+    convert_to_orbax(path, orbax_dir)
+    restored = LLM(orbax_dir, progress=False, **mesh).get_logits(ids)
+    assert float(np.abs(restored - logits).max()) <= 2e-4

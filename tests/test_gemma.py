@@ -128,3 +128,30 @@ def test_int8_and_orbax(references, tmp_path):
     """Gemma 3 with quantization="int8" (transformers on the int8 round-tripped weights) and through Orbax."""
     path, ids, logits = references["gemma3"][:3]
     check_int8_and_orbax(path, ids, logits, str(tmp_path / "orbax"), tensor_parallel_size=2)
+
+
+def test_gemma3_vision_language_checkpoint_runs_its_text_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (a tiny SigLIP tower beside the text model): its text model
+    loads from the language model's tensors, the vision tensors unread, and matches transformers on text."""
+    import torch
+    import transformers
+    text = {k: v for k, v in {**BASE, **VARIANTS["gemma3"][1]}.items() if k != "architectures"}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=999,
+                                    boi_token_index=997, eoi_token_index=998, eos_token_id=[1, 106],
+                                    architectures=["Gemma3ForConditionalGeneration"])
+    torch.manual_seed(5)
+    path = str(tmp_path / "gemma3_vlm")
+    randomize(transformers.Gemma3ForConditionalGeneration(cfg).eval()).save_pretrained(path)
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ids = np.random.default_rng(0).integers(0, 990, size=(3, 13))
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(ids)).logits.numpy()
+        greedy = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(PROMPTS[0]):].tolist()
+    llm = LLM(path, tensor_parallel_size=2, pipeline_parallel_size=2, progress=False)
+    assert (llm.config.architecture, llm.config.eos_token_ids) == ("Gemma3ForConditionalGeneration", (1, 106))
+    assert float(np.abs(llm.get_logits(ids) - ref).max()) <= 2e-4
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == greedy

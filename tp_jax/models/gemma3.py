@@ -21,3 +21,50 @@ class Gemma3ForCausalLM(CausalLM):
 
 register("Gemma3ForCausalLM", Gemma3ForCausalLM,
          config=functools.partial(gemma_config, qk_norm=True, local_rope=True), weights=llama_weights)
+
+
+class Gemma3ForConditionalGeneration(CausalLM):
+    """The text model of a Gemma 3 vision-language checkpoint (4B, 12B, 27B): Gemma3ForCausalLM's graph, built
+    from the config's `text_config`; the vision tower and projector tensors are left unread (text in, text out)."""
+
+
+def gemma3_text_config(hf, raw=None):
+    """`text_config` read as a Gemma3ForCausalLM config (absent fields take the class defaults, as transformers
+    does; the published files state only what differs), with the checkpoint's architecture and special tokens."""
+    import copy
+    import dataclasses
+    from tp_jax.models.config import eos_ids, quantization_refusal
+    quantization_refusal(getattr(hf, "quantization_config", None))
+    text = getattr(hf, "text_config", None)
+    if text is None:
+        from tp_jax.models.config import UnsupportedConfigError
+        raise UnsupportedConfigError("config.json of Gemma3ForConditionalGeneration has no text_config")
+    text = copy.deepcopy(text)
+    text.architectures = ["Gemma3ForCausalLM"]
+    cfg = gemma_config(text, None, qk_norm=True, local_rope=True)
+    eos = eos_ids(getattr(hf, "eos_token_id", None)) or cfg.eos_token_ids
+    bos = getattr(hf, "bos_token_id", None)
+    return dataclasses.replace(cfg, architecture="Gemma3ForConditionalGeneration", eos_token_ids=eos,
+                               bos_token_id=cfg.bos_token_id if bos is None else bos)
+
+
+def gemma3_vlm_weights(cfg):
+    """Gemma3ForCausalLM's table under the language model's prefix: "language_model.model." as the released
+    files store it, or "model.language_model." as transformers 5 saves it (a variant)."""
+    import dataclasses
+    from tp_jax.parallel.layers import WeightTable
+    base = llama_weights(cfg)
+
+    def moved(prefix: str, lm_head: str) -> WeightTable:
+        rename = lambda n: (lm_head if n == "lm_head.weight" else prefix + n[len("model."):]) \
+            if n.startswith(("model.", "lm_head.")) else n
+        return WeightTable([dataclasses.replace(e, hf=rename(e.hf)) for e in base.entries],
+                           [rename(n) for n in base.ignored] + ["vision_tower.*", "multi_modal_projector.*",
+                                                                "model.vision_tower.*", "model.multi_modal_projector.*"])
+    new = moved("model.language_model.", "lm_head.weight")
+    old = moved("language_model.model.", "language_model.lm_head.weight")
+    return dataclasses.replace(old, variants=(new,))
+
+
+register("Gemma3ForConditionalGeneration", Gemma3ForConditionalGeneration, config=gemma3_text_config,
+         weights=gemma3_vlm_weights)

@@ -74,9 +74,10 @@ class WeightTable:
 
     Args:
       entries: every `Entry`; each must match a param, and every param must be filled.
-      ignored: checkpoint tensor names (`{i}` = any layer) that carry nothing the model
-        needs, e.g. a tied "lm_head.weight" or old "rotary_emb.inv_freq" buffers. Any other
-        tensor that no entry takes makes loading fail (the checkpoint does not match).
+      ignored: checkpoint tensor names (`{i}` = any layer; a final `*`: every name with that prefix) that carry
+        nothing the model needs, e.g. a tied "lm_head.weight", old "rotary_emb.inv_freq" buffers, or a
+        multimodal checkpoint's "vision_tower.*". Any other tensor that no entry takes makes loading fail (the
+        checkpoint does not match).
     """
     entries: tuple[Entry, ...]
     ignored: tuple[str, ...] = ()
@@ -97,7 +98,8 @@ class WeightTable:
         return self
 
     def is_ignored(self, name: str) -> bool:
-        return any(template_regex(t).fullmatch(name) for t in self.ignored)
+        return any(name.startswith(t[:-1]) if t.endswith("*") else template_regex(t).fullmatch(name)
+                   for t in self.ignored)
 
 
 def template_regex(template: str) -> re.Pattern:

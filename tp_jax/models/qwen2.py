@@ -1,7 +1,7 @@
 """Qwen2ForCausalLM: Llama's config map and name table with a bias on q, k and v but none on o_proj.
 
-Qwen2's sliding window (use_sliding_window, only on layers >= max_window_layers) is
-refused by the config map unless no layer slides; released checkpoints have it off.
+Qwen2's sliding window (use_sliding_window, only on layers >= max_window_layers, or as `layer_types` says) is a
+per-layer window (tp_jax/models/decoder.py); released checkpoints have it off.
 """
 
 from __future__ import annotations

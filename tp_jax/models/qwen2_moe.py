@@ -1,7 +1,7 @@
 """Qwen2MoeForCausalLM: Qwen2's attention (q/k/v bias per `qkv_bias`, none on o_proj) and routed experts
 plus a shared expert gated by sigmoid(shared_expert_gate(x)); top-k weights renormalized only with
-`norm_topk_prob`. Layers that HF makes dense (`mlp_only_layers`, `decoder_sparse_step` > 1) are
-refused by the config map (tp_jax/models/moe.py).
+`norm_topk_prob`. Layers that HF makes dense (`mlp_only_layers`, `decoder_sparse_step` > 1) run a dense
+MLP of `intermediate_size` from a stack of their own (`ff_kinds`, tp_jax/models/moe.py).
 """
 
 from __future__ import annotations

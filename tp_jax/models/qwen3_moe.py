@@ -1,6 +1,7 @@
 """Qwen3MoeForCausalLM: Qwen3's attention (per-head q/k RMSNorm, biases per `attention_bias`) and routed
 experts, top-k weights renormalized with `norm_topk_prob`. Layers that HF makes dense
-(`mlp_only_layers`, `decoder_sparse_step` > 1) are refused by the config map (tp_jax/models/moe.py).
+(`mlp_only_layers`, `decoder_sparse_step` > 1) run a dense MLP from a stack of their own (`ff_kinds`,
+tp_jax/models/moe.py).
 """
 
 from __future__ import annotations

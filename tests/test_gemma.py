@@ -11,8 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.tiny_models import check_int8_and_orbax, logits_and_greedy, randomize
-from tp_jax.models.config import UnsupportedConfigError, config_from_hf
+from tests.tiny_models import FAMILY_PROMPTS as PROMPTS, check_family, check_int8_and_orbax, family_reference, randomize
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
@@ -32,9 +31,6 @@ VARIANTS = {   # name: (transformers config class, overrides)
                          "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}},
         tie_word_embeddings=True, architectures=["Gemma3ForCausalLM"])),
 }
-# the first prompt is longer than the window; 12 generated tokens cross it again in cached decode
-PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [5, 17, 300, 42, 9], [999, 3]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # every (dp, pp, tp) with dp * pp * tp = 8 and pp <= 4 layers, and one device
 MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (1, 4, 2), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2), (4, 2, 1), (8, 1, 1)]
 
@@ -60,28 +56,20 @@ def variant_logits(model, ids, **change) -> np.ndarray:
 def hf_reference(name: str, root: str):
     """(checkpoint dir, logits [3, 13, V], greedy tokens per prompt) from transformers, after checking that the
     window, the soft-caps (Gemma 2) and the local rotary base (Gemma 3) each change transformers' logits."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    path = os.path.join(root, name)
-    torch.manual_seed(sum(map(ord, name)))
-    randomize(AutoModelForCausalLM.from_config(hf_config(name)).eval()).save_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    ids = np.random.default_rng(0).integers(0, BASE["vocab_size"], size=(3, 13))
-    with torch.no_grad():
-        logits = model(torch.tensor(ids)).logits.numpy()
-    gap = lambda **change: float(np.abs(variant_logits(model, ids, **change) - logits).max())
-    full = variant_logits(model, ids, sliding_window=1000)                       # a window wider than the input
-    assert np.abs(full[:, :WINDOW] - logits[:, :WINDOW]).max() < 1e-5          # the window matters past it only
-    assert np.abs(full[:, WINDOW:] - logits[:, WINDOW:]).max() > 1e-3
-    if name == "gemma2":
-        assert gap(attn_logit_softcapping=None) > 1e-3 and gap(final_logit_softcapping=None) > 1e-3
-    else:
-        same = {t: {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}
-                for t in ("sliding_attention", "full_attention")}
-        assert gap(rope_parameters=same) > 1e-3
-    ref, greedy = logits_and_greedy(model, ids, PROMPTS)             # (generate after the variants: it
-    assert np.array_equal(ref, logits)                               # leaves state they would inherit)
-    return path, ids, logits, greedy
+
+    def parts_matter(model, ids, logits):
+        gap = lambda **change: float(np.abs(variant_logits(model, ids, **change) - logits).max())
+        full = variant_logits(model, ids, sliding_window=1000)                   # a window wider than the input
+        assert np.abs(full[:, :WINDOW] - logits[:, :WINDOW]).max() < 1e-5      # the window matters past it only
+        assert np.abs(full[:, WINDOW:] - logits[:, WINDOW:]).max() > 1e-3
+        if name == "gemma2":
+            assert gap(attn_logit_softcapping=None) > 1e-3 and gap(final_logit_softcapping=None) > 1e-3
+        else:
+            same = {t: {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}
+                    for t in ("sliding_attention", "full_attention")}
+            assert gap(rope_parameters=same) > 1e-3
+
+    return family_reference(hf_config(name), os.path.join(root, name), sum(map(ord, name)), "eager", parts_matter)
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +85,7 @@ CASES = [("gemma3", m) for m in MESHES] + [("gemma2", m) for m in ((1, 1, 1), (1
 
 @pytest.mark.parametrize("name,mesh", CASES, ids=[f"{n}-{m}" for n, m in CASES])
 def test_logits_and_greedy_match_transformers(references, name, mesh):
-    dp, pp, tp = mesh
-    path, ids, ref, greedy = references[name]
-    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, progress=False)
-    assert llm.config.architecture == VARIANTS[name][1]["architectures"][0]
-    diff = float(np.abs(llm.get_logits(ids) - ref).max())
-    print(f"{name} dp={dp} pp={pp} tp={tp}: max abs logit diff {diff:.2e}")
-    assert diff <= 2e-4
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
+    check_family(references[name], mesh)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

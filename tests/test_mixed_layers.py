@@ -8,12 +8,10 @@ a stage's slots of a kind are padded to the stage with the most, and a layer rea
 
 import os
 
-import numpy as np
 import pytest
 
-from tests.tiny_models import check_int8_and_orbax, logits_and_greedy, randomize
+from tests.tiny_models import check_family, check_int8_and_orbax, family_reference
 from tp_jax.serving.llm import LLM
-from tp_jax.serving.sampling import SamplingParams
 
 BASE = dict(vocab_size=1000, hidden_size=48, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
             rms_norm_eps=1e-5, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, num_attention_heads=6,
@@ -21,8 +19,6 @@ BASE = dict(vocab_size=1000, hidden_size=48, intermediate_size=64, moe_intermedi
             num_experts_per_tok=2, norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
 VARIANTS = {"mlp_only_layers": dict(mlp_only_layers=[1]),          # MoE, dense, MoE, MoE
             "sparse_step_2": dict(decoder_sparse_step=2)}          # dense, MoE, dense, MoE
-PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [5, 17, 300, 42, 9], [999, 3]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (1, 4, 2), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2), (4, 2, 1), (8, 1, 1)]
 # the variants alternate over the meshes (each meets pp 2 and 4, dp and tp 8 or 4), expert parallelism on every
 # other pair, so each variant runs both layouts
@@ -30,16 +26,8 @@ CASES = [(list(VARIANTS)[i % 2], m, bool(i // 2 % 2)) for i, m in enumerate(MESH
 
 
 def hf_reference(name: str, root: str):
-    import torch
     import transformers
-    from transformers import AutoModelForCausalLM
-    path = os.path.join(root, name)
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(**BASE, **VARIANTS[name])
-    randomize(AutoModelForCausalLM.from_config(cfg).eval()).save_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = np.random.default_rng(0).integers(0, BASE["vocab_size"], size=(3, 13))
-    return (path, ids, *logits_and_greedy(model, ids, PROMPTS))
+    return family_reference(transformers.Qwen3MoeConfig(**BASE, **VARIANTS[name]), os.path.join(root, name))
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +38,7 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("name,mesh,ep", CASES, ids=[f"{n}-{m}-{'ep' if e else 'tp'}" for n, m, e in CASES])
 def test_logits_and_greedy_match_transformers(references, name, mesh, ep):
-    path, ids, ref, greedy = references[name]
-    dp, pp, tp = mesh
-    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-              enable_expert_parallel=ep, progress=False)
-    diff = float(np.abs(llm.get_logits(ids) - ref).max())
-    print(f"{name} {mesh} ep={ep} ({llm.layer_loop}): max abs logit diff {diff:.2e}")
-    assert diff <= 5e-4
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
+    check_family(references[name], mesh, 5e-4, enable_expert_parallel=ep)
 
 
 def test_feed_forward_plan_pads_each_stage_to_the_busiest():
@@ -73,18 +54,13 @@ def test_feed_forward_plan_pads_each_stage_to_the_busiest():
 
 def test_the_model_holds_each_kind_once(references):
     """The dense and MoE stacks hold exactly the checkpoint's layers of each kind (padding slots only for pp)."""
+    import jax
     from flax import nnx
     llm = LLM(references["sparse_step_2"][0], progress=False, layer_loop="scan")
     stacks = llm.model.model.ff_stacks
     assert {k: s.layer_map for k, s in stacks.items()} == {"dense": (0, 2), "moe": (1, 3)}
     assert llm.model.model.layers.layers.mlp is None
-    experts = nnx.state(stacks["moe"], nnx.Param)
-    assert all(x.shape[0] == 2 for x in jax_leaves(experts))
-
-
-def jax_leaves(state):
-    import jax
-    return jax.tree.leaves(state)
+    assert all(x.shape[0] == 2 for x in jax.tree.leaves(nnx.state(stacks["moe"], nnx.Param)))
 
 
 def test_int8_and_orbax(references, tmp_path):

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from tests.hlo import count, loop_bodies
-from tests.tiny_models import check_int8_and_orbax, logits_and_greedy, randomize
+from tests.tiny_models import check_family, check_int8_and_orbax, family_reference
 from tp_jax.serving.llm import LLM
-from tp_jax.serving.sampling import SamplingParams
 
 BASE = dict(vocab_size=1000, hidden_size=48, intermediate_size=96, num_hidden_layers=2, rms_norm_eps=1e-5,
             max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_attention_heads=6,
@@ -23,8 +22,6 @@ VARIANTS = {
     "olmoe": ("OlmoeConfig", dict(intermediate_size=32, num_experts=6, num_experts_per_tok=2,
                                   architectures=["OlmoeForCausalLM"])),
 }
-PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [5, 17, 300, 42, 9], [999, 3]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (2, 1, 4), (2, 2, 2), (4, 1, 2), (4, 2, 1), (8, 1, 1)]
 # OLMoE alternates expert parallelism over the meshes, and runs both layouts at tp 8 and at (2, 2, 2)
 CASES = [("olmo2", m, False) for m in MESHES] + [("olmoe", m, ep) for i, m in enumerate(MESHES)
@@ -33,17 +30,9 @@ CASES = [("olmo2", m, False) for m in MESHES] + [("olmoe", m, ep) for i, m in en
 
 
 def hf_reference(name: str, root: str):
-    import torch
     import transformers
-    from transformers import AutoModelForCausalLM
     cls, over = VARIANTS[name]
-    path = os.path.join(root, name)
-    torch.manual_seed(0)                             # a seed whose greedy references are not degenerate
-    cfg = getattr(transformers, cls)(**{**BASE, **over})
-    randomize(AutoModelForCausalLM.from_config(cfg).eval()).save_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = np.random.default_rng(0).integers(0, BASE["vocab_size"], size=(3, 13))
-    return (path, ids, *logits_and_greedy(model, ids, PROMPTS))
+    return family_reference(getattr(transformers, cls)(**{**BASE, **over}), os.path.join(root, name))
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +43,7 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("name,mesh,ep", CASES, ids=[f"{n}-{m}-{'ep' if e else 'tp'}" for n, m, e in CASES])
 def test_logits_and_greedy_match_transformers(references, name, mesh, ep):
-    path, ids, ref, greedy = references[name]
-    dp, pp, tp = mesh
-    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-              enable_expert_parallel=ep, progress=False)
-    diff = float(np.abs(llm.get_logits(ids) - ref).max())
-    print(f"{name} {mesh} ep={ep}: max abs logit diff {diff:.2e}")
-    assert diff <= (5e-4 if name == "olmoe" else 2e-4)
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
+    check_family(references[name], mesh, 5e-4 if name == "olmoe" else 2e-4, enable_expert_parallel=ep)
 
 
 def test_whole_width_qk_norm_costs_one_all_reduce_per_layer(references):

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.tiny_models import check_int8_and_orbax, hf_greedy, logits_and_greedy, randomize
+from tests.tiny_models import check_family, check_int8_and_orbax, family_reference, hf_greedy
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
@@ -34,8 +34,6 @@ VARIANTS = {
     "phi4_mini": dict(original_max_position_embeddings=ORIGINAL, rope_parameters=longrope(3, 0.75),
                       tie_word_embeddings=True),
 }
-PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [5, 17, 300, 42, 9], [999, 3]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (2, 1, 4), (2, 2, 2), (4, 1, 2), (4, 2, 1), (8, 1, 1)]
 # the richest variant at every factorization, the others at one device and at pp x tp
 CASES = [("phi4_mini", m) for m in MESHES] + [(n, m) for n in VARIANTS if n != "phi4_mini"
@@ -45,20 +43,17 @@ CASES = [("phi4_mini", m) for m in MESHES] + [(n, m) for n in VARIANTS if n != "
 def hf_reference(name: str, root: str):
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
-    path = os.path.join(root, name)
-    torch.manual_seed(sum(map(ord, name)))
-    cfg = transformers.Phi3Config(**{**BASE, **VARIANTS[name]})
-    randomize(AutoModelForCausalLM.from_config(cfg).eval()).save_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = np.random.default_rng(0).integers(0, BASE["vocab_size"], size=(3, 13))
-    logits, greedy = logits_and_greedy(model, ids, PROMPTS)
-    if name == "phi3_mini_4k":                        # the window matters past it
+
+    def window_matters(model, ids, logits):                  # Phi-3-mini-4k: full attention differs past it
         model.config.sliding_window = None
         with torch.no_grad():
             full = model(torch.tensor(ids)).logits.numpy()
+        model.config.sliding_window = 8
         assert np.abs(full[:, :8] - logits[:, :8]).max() < 1e-5 < 1e-3 < np.abs(full[:, 8:] - logits[:, 8:]).max()
-    return path, ids, logits, greedy
+
+    cfg = transformers.Phi3Config(**{**BASE, **VARIANTS[name]})
+    return family_reference(cfg, os.path.join(root, name), sum(map(ord, name)),
+                            check=window_matters if name == "phi3_mini_4k" else None)
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +64,7 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("name,mesh", CASES, ids=[f"{n}-{m}" for n, m in CASES])
 def test_logits_and_greedy_match_transformers(references, name, mesh):
-    path, ids, ref, greedy = references[name]
-    dp, pp, tp = mesh
-    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-              max_model_len=ORIGINAL, progress=False)
-    diff = float(np.abs(llm.get_logits(ids) - ref).max())
-    print(f"{name} {mesh}: max abs logit diff {diff:.2e}")
-    assert diff <= 2e-4
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy
+    check_family(references[name], mesh, max_model_len=ORIGINAL)
 
 
 @pytest.mark.parametrize("name", ["phi3_5_longrope", "phi4_mini"])

@@ -141,3 +141,43 @@ def check_int8_and_orbax(path: str, ids: np.ndarray, logits: np.ndarray, orbax_d
     convert_to_orbax(path, orbax_dir)
     restored = LLM(orbax_dir, progress=False, **mesh).get_logits(ids)
     assert float(np.abs(restored - logits).max()) <= 2e-4
+
+
+# --- one model family against transformers (tests/test_gemma.py, test_phi3.py, test_olmo.py, test_mixed_layers.py) ---
+
+# the first prompt (13 tokens) is longer than the tests' sliding windows; 12 greedy tokens cross them again
+FAMILY_PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 300], [5, 17, 300, 42, 9], [999, 3]]
+
+
+def family_reference(cfg, path: str, seed: int = 0, attn: str | None = None, check=None):
+    """transformers' model of `cfg`, randomized (`randomize`) with `seed` and saved at `path`: (path, ids [3, 13],
+    its float32 logits for ids, its greedy tokens for FAMILY_PROMPTS). `check(model, ids, logits)` runs before
+    generate (which leaves state a variant built from the model would inherit)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    kw = {} if attn is None else {"attn_implementation": attn}
+    torch.manual_seed(seed)
+    randomize(AutoModelForCausalLM.from_config(cfg).eval()).save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(3, 13))
+    with torch.no_grad():
+        logits = model(torch.tensor(ids)).logits.numpy()
+    if check is not None:
+        check(model, ids, logits)
+    ref, greedy = logits_and_greedy(model, ids, FAMILY_PROMPTS)
+    assert np.array_equal(ref, logits)
+    return path, ids, logits, greedy
+
+
+def check_family(reference, mesh: tuple[int, int, int], tol: float = 2e-4, **kw) -> None:
+    """`LLM` at mesh (dp, pp, tp) against `family_reference`'s logits (max abs <= tol) and greedy tokens."""
+    from tp_jax.serving.llm import LLM
+    from tp_jax.serving.sampling import SamplingParams
+    path, ids, logits, greedy = reference
+    dp, pp, tp = mesh
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, progress=False, **kw)
+    diff = float(np.abs(llm.get_logits(ids) - logits).max())
+    print(f"{os.path.basename(path)} {mesh} {kw} ({llm.layer_loop}): max abs logit diff {diff:.2e}")
+    assert diff <= tol, diff
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(FAMILY_PROMPTS, params)] == greedy

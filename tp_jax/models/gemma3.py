@@ -1,5 +1,6 @@
-"""Gemma3ForCausalLM (the text model): Gemma 2's layer with per-head q/k norms ((1 + w) RMSNorm over head_dim)
-and two rotary embeddings: the sliding layers rotate with the local base (`rope_parameters["sliding_attention"]`,
+"""Gemma3ForCausalLM (the text model), and the text model of Gemma3ForConditionalGeneration checkpoints.
+
+Gemma 2's layer with per-head q/k norms ((1 + w) RMSNorm over head_dim) and two rotary embeddings: the sliding layers rotate with the local base (`rope_parameters["sliding_attention"]`,
 10000), the global ones with theta 1e6 and its scaling (`rope_parameters["full_attention"]`); `layer_types` (or
 the older `sliding_window_pattern`, 6: five sliding layers, then a global one) says which layer is which.
 No soft-capping in released checkpoints (read if set).
@@ -7,12 +8,16 @@ No soft-capping in released checkpoints (read if set).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 
 from tp_jax.models.causal_lm import CausalLM
+from tp_jax.models.config import UnsupportedConfigError, eos_ids, quantization_refusal
 from tp_jax.models.gemma2 import gemma_config
 from tp_jax.models.llama import llama_weights
 from tp_jax.models.registry import register
+from tp_jax.parallel.layers import WeightTable
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -31,13 +36,9 @@ class Gemma3ForConditionalGeneration(CausalLM):
 def gemma3_text_config(hf, raw=None):
     """`text_config` read as a Gemma3ForCausalLM config (absent fields take the class defaults, as transformers
     does; the published files state only what differs), with the checkpoint's architecture and special tokens."""
-    import copy
-    import dataclasses
-    from tp_jax.models.config import eos_ids, quantization_refusal
     quantization_refusal(getattr(hf, "quantization_config", None))
     text = getattr(hf, "text_config", None)
     if text is None:
-        from tp_jax.models.config import UnsupportedConfigError
         raise UnsupportedConfigError("config.json of Gemma3ForConditionalGeneration has no text_config")
     text = copy.deepcopy(text)
     text.architectures = ["Gemma3ForCausalLM"]
@@ -51,8 +52,6 @@ def gemma3_text_config(hf, raw=None):
 def gemma3_vlm_weights(cfg):
     """Gemma3ForCausalLM's table under the language model's prefix: "language_model.model." as the released
     files store it, or "model.language_model." as transformers 5 saves it (a variant)."""
-    import dataclasses
-    from tp_jax.parallel.layers import WeightTable
     base = llama_weights(cfg)
 
     def moved(prefix: str, lm_head: str) -> WeightTable:

@@ -1,6 +1,6 @@
 """Stacks whose layers differ in their feed-forward: Qwen3-MoE with dense layers (`mlp_only_layers`, and
 `decoder_sparse_step = 2`: every other layer MoE) vs transformers, 4 layers at every (dp, pp, tp) factorization
-of 8 devices they allow (the two variants alternating), expert parallelism on and off; the per-kind stacks and their slot maps.
+of 8 devices they allow, expert parallelism on and off; the per-kind stacks and their slot maps.
 
 The model holds each feed-forward kind in a stack of its own (tp_jax/models/causal_lm.py, `FeedForwardPlan`);
 a stage's slots of a kind are padded to the stage with the most, and a layer reaches its own through a switch.
@@ -20,9 +20,8 @@ BASE = dict(vocab_size=1000, hidden_size=48, intermediate_size=64, moe_intermedi
 VARIANTS = {"mlp_only_layers": dict(mlp_only_layers=[1]),          # MoE, dense, MoE, MoE
             "sparse_step_2": dict(decoder_sparse_step=2)}          # dense, MoE, dense, MoE
 MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (1, 4, 2), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2), (4, 2, 1), (8, 1, 1)]
-# the variants alternate over the meshes (each meets pp 2 and 4, dp and tp 8 or 4), expert parallelism on every
-# other pair, so each variant runs both layouts
-CASES = [(list(VARIANTS)[i % 2], m, bool(i // 2 % 2)) for i, m in enumerate(MESHES)]
+# both variants at every mesh, expert parallelism on for one of them, alternating
+CASES = [(name, m, bool((i + j) % 2)) for i, m in enumerate(MESHES) for j, name in enumerate(VARIANTS)]
 
 
 def hf_reference(name: str, root: str):

@@ -35,9 +35,10 @@ VARIANTS = {
                       tie_word_embeddings=True),
 }
 MESHES = [(1, 1, 1), (1, 1, 8), (1, 2, 4), (2, 1, 4), (2, 2, 2), (4, 1, 2), (4, 2, 1), (8, 1, 1)]
-# the richest variant at every factorization, the others at one device and at pp x tp
-CASES = [("phi4_mini", m) for m in MESHES] + [(n, m) for n in VARIANTS if n != "phi4_mini"
-                                             for m in ((1, 1, 1), (1, 2, 4))]
+# Phi-3 without LongRoPE and Phi-4-mini (LongRoPE, partial rotary) at every factorization; Phi-3.5's LongRoPE alone
+# at one device and at pp x tp
+CASES = [(n, m) for n in ("phi3_mini_4k", "phi4_mini") for m in MESHES] + [("phi3_5_longrope", m)
+                                                                           for m in ((1, 1, 1), (1, 2, 4))]
 
 
 def hf_reference(name: str, root: str):

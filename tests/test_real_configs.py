@@ -191,9 +191,6 @@ REFUSED = {   # case: (config dict, regex the error must match)
     "yarn rope": (edited("Qwen2.5-7B", rope_scaling={"type": "yarn", "factor": 4.0,
                                                       "original_max_position_embeddings": 32768}),
                   r"rope_type 'yarn' is not supported"),
-    "longrope": (edited("Llama-3.1-8B", rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 64,
-                                                       "long_factor": [2.0] * 64, "factor": 4.0}),
-                 r"rope_type 'longrope' is not supported"),
     "partial rotary": (edited("Llama-3.2-1B-Instruct", partial_rotary_factor=0.5), r"partial_rotary_factor"),
     "attention soft-capping": (edited("Llama-3.1-8B", attn_logit_softcapping=50.0),
                                r"attn_logit_softcapping=50.0 asks for tanh soft-capping of attention scores"),
@@ -209,6 +206,19 @@ REFUSED = {   # case: (config dict, regex the error must match)
                                         r"sliding_window=4096 \(an active sliding window\) is not supported"),
     "activation": (edited("Qwen3-0.6B", hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
 }
+
+
+def test_longrope_is_read_with_its_factors(tmp_path):
+    """LongRoPE (transformers' `longrope`, which Llama's rotary runs too): both factor sets and the attention
+    factor sqrt(1 + ln(factor) / ln(original)); the short set until an engine's max_model_len passes the original."""
+    from tp_jax.models.decoder import for_max_model_len
+    cfg = load_config(model_dir(tmp_path, edited("Llama-3.1-8B", rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [2.0] * 64, "factor": 4.0,
+        "original_max_position_embeddings": 8192})))
+    assert (cfg.rope.type, cfg.rope.short_factor[0], cfg.rope.long_factor[0], cfg.rope.use_long) == ("longrope", 1.0,
+                                                                                                     2.0, False)
+    assert cfg.rope.attention_factor == pytest.approx(math.sqrt(1 + math.log(4.0) / math.log(8192)))
+    assert for_max_model_len(cfg, 8192).rope.use_long is False and for_max_model_len(cfg, 8193).rope.use_long
 
 
 @pytest.mark.parametrize("name,layers,first", [("Qwen2.5-7B", 28, 14), ("Qwen3-8B", 36, 8)])

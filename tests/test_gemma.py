@@ -116,9 +116,9 @@ def test_gemma3_vision_language_checkpoint_runs_its_text_model(tmp_path):
     text = {k: v for k, v in {**BASE, **VARIANTS["gemma3"][1]}.items() if k != "architectures"}
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
-    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=999,
-                                    boi_token_index=997, eoi_token_index=998, eos_token_id=[1, 106],
-                                    architectures=["Gemma3ForConditionalGeneration"])
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=999, boi_token_index=997, eoi_token_index=998,
+                                    eos_token_id=[1, 106], architectures=["Gemma3ForConditionalGeneration"])
     torch.manual_seed(5)
     path = str(tmp_path / "gemma3_vlm")
     randomize(transformers.Gemma3ForConditionalGeneration(cfg).eval()).save_pretrained(path)
@@ -178,3 +178,50 @@ def test_served_and_generated_text_is_transformers_greedy_text(tmp_path, smollm2
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.splitlines()[0])["text"] == expected
+
+
+def _edited(name: str, **change):
+    cfg = hf_config(name)
+    for k, v in change.items():
+        setattr(cfg, k, v)                 # after construction: transformers' own validation would stop some
+    return cfg
+
+
+REFUSED = {   # case: (config, regex of the error)
+    "activation": (_edited("gemma2", hidden_activation="relu6"), r"hidden_activation='relu6' is not supported"),
+    "bidirectional": (_edited("gemma3", use_bidirectional_attention=True),
+                      r"use_bidirectional_attention=true makes Gemma3ForCausalLM an encoder"),
+    "layer types count": (_edited("gemma2", layer_types=["full_attention"] * 3),
+                          r"layer_types has 3 entries for Gemma2ForCausalLM's 4 layers"),
+    "sliding without a window": (_edited("gemma2", sliding_window=None),
+                                 r"layer_types marks sliding layers of Gemma2ForCausalLM but sliding_window=None"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_bad_gemma_configs_are_refused_by_name(case):
+    from tp_jax.models.config import UnsupportedConfigError, config_from_hf
+    cfg, msg = REFUSED[case]
+    with pytest.raises(UnsupportedConfigError, match=msg):
+        config_from_hf(cfg)
+
+
+def test_a_vision_checkpoint_without_text_config_is_refused():
+    import types
+    from tp_jax.models.config import UnsupportedConfigError
+    from tp_jax.models.gemma3 import gemma3_text_config
+    with pytest.raises(UnsupportedConfigError, match=r"Gemma3ForConditionalGeneration has no text_config"):
+        gemma3_text_config(types.SimpleNamespace(quantization_config=None, text_config=None))
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("layer_types", ("full_attention", "chunked"), r"layer_types=.* must name one of \('full_attention', "
+                                                   r"'sliding_attention'\) for each of the 4 layers"),
+    ("ff_kinds", ("dense",) * 3, r"ff_kinds=.* must name one of \['dense', 'moe'\] for each of the 4 layers"),
+    ("attn_softcap", 0.0, r"attn_softcap=0.0 must be a positive number or None"),
+    ("norm_placement", "middle", r"norm_placement='middle'; choose one of \['post', 'pre', 'sandwich'\]")])
+def test_decoder_config_checks_the_per_layer_fields(field, value, msg):
+    import dataclasses
+    from tp_jax.models.config import config_from_hf
+    with pytest.raises(ValueError, match=msg):
+        dataclasses.replace(config_from_hf(hf_config("gemma2")), **{field: value})

@@ -63,6 +63,14 @@ def test_the_model_holds_each_kind_once(references):
 
 
 def test_int8_and_orbax(references, tmp_path):
-    """the stack with dense and MoE layers with quantization="int8" (transformers on the int8 round-tripped weights) and through Orbax."""
+    """The stack with dense and MoE layers with quantization="int8" (transformers on the int8 round-tripped
+    weights) and through Orbax."""
     path, ids, logits = references["sparse_step_2"][:3]
     check_int8_and_orbax(path, ids, logits, str(tmp_path / "orbax"), tensor_parallel_size=2)
+
+
+def test_a_stack_map_must_cover_its_slots():
+    from flax import nnx
+    from tp_jax.parallel.layers import Stack, RMSNorm
+    with pytest.raises(ValueError, match=r"Stack: layer_map has 1 slots for num_layers=2"):
+        Stack(lambda r: RMSNorm(4, rngs=r), 2, nnx.Rngs(0), layer_map=(0,))

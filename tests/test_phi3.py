@@ -93,3 +93,35 @@ def test_int8_and_orbax(references, tmp_path):
     """Phi-4-mini with quantization="int8" (transformers on the int8 round-tripped weights) and through Orbax."""
     path, ids, logits = references["phi4_mini"][:3]
     check_int8_and_orbax(path, ids, logits, str(tmp_path / "orbax"), tensor_parallel_size=2, max_model_len=ORIGINAL)
+
+
+def _config(rope=None, **over):
+    import transformers
+    cfg = transformers.Phi3Config(**{**BASE, **over})
+    if rope is not None:
+        cfg.rope_parameters = rope         # after construction: transformers' own validation would stop some
+    return cfg
+
+
+REFUSED = {   # case: (config, regex of the error)
+    "activation": (_config(hidden_act="gelu"), r"hidden_act='gelu' is not supported for Phi3ForCausalLM; only 'silu'"),
+    "heads do not divide": (_config(hidden_size=50), r"hidden_size=50 and num_attention_heads=6: hidden_size must be a "
+                                                     r"multiple of num_attention_heads"),
+    "odd rotary dims": (_config(rope={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.375}),
+                        r"partial_rotary_factor=0.375 leaves an odd number of rotary dims per head \(8 \* factor\)"),
+    "factor count": (_config(rope={**longrope(4), "short_factor": [1.0] * 3}),
+                     r"short_factor has 3 entries; the rotary dims need 4"),
+    "no long factors": (_config(rope={k: v for k, v in longrope(4).items() if k != "long_factor"}),
+                        r"'longrope' need short_factor and long_factor"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_bad_phi3_configs_are_refused_by_name(case):
+    from tp_jax.loaders.model import abstract_model
+    from tp_jax.models.config import UnsupportedConfigError, config_from_hf
+    from tp_jax.parallel.mesh import make_mesh
+    import jax
+    cfg, msg = REFUSED[case]
+    with pytest.raises(UnsupportedConfigError, match=msg):                  # the factor count: when the model is built
+        abstract_model(config_from_hf(cfg), make_mesh(devices=jax.devices()[:1]))

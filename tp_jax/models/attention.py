@@ -258,9 +258,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache
     impl = PAGED_BACKENDS[cache.backend]
     batch = cache.batch
     k_pool, v_pool, outs = cache.k, cache.v, []
+    capped = {} if softcap is None else {"softcap": softcap}    # a backend without soft-capping still registers
     for b in range(q.shape[0]):                    # B is 1 inside the pipeline (one micro-batch)
         k_pool = write_pool(k_pool, cache.layer, batch.slots[b], k[b])
         v_pool = write_pool(v_pool, cache.layer, batch.slots[b], v[b])
-        capped = {} if softcap is None else {"softcap": softcap}
         outs.append(impl(q[b], k_pool, v_pool, cache.layer, positions[b], batch.row(b), scale, window, **capped))
     return jnp.stack(outs), cache.replace(k=k_pool, v=v_pool)

@@ -184,6 +184,21 @@ def _class_defaults(cls) -> dict[str, Any]:
         return {}
 
 
+def head_dim_of(f: Mapping[str, Any], hidden: str, heads: str) -> int:
+    """f[hidden] // f[heads] (read fields), or UnsupportedConfigError when the heads do not divide the width."""
+    d, n = f[hidden], f[heads]
+    if d % n:
+        raise UnsupportedConfigError(f"config fields {hidden}={d} and {heads}={n}: {hidden} must be a multiple "
+                                     f"of {heads}")
+    return d // n
+
+
+def only_silu(act, arch: str) -> None:
+    """UnsupportedConfigError unless `hidden_act` is SiLU (the gated MLPs of the Llama family and Phi-3)."""
+    if act not in ("silu", "swish"):
+        raise UnsupportedConfigError(f"config field hidden_act={act!r} is not supported for {arch}; only 'silu'")
+
+
 def eos_ids(eos) -> tuple[int, ...]:
     """`eos_token_id` (an int, a list or None) as a tuple."""
     if eos is None:

@@ -158,7 +158,8 @@ class DecoderConfig(ModelConfig):
 
 def for_max_model_len(cfg: ModelConfig, max_model_len: int) -> ModelConfig:
     """`cfg` for an engine holding sequences of up to `max_model_len` tokens: the rotary embeddings that depend on
-    the context (LongRoPE's factor set, tp_jax/models/rope.py `for_context`) chosen for it; other configs as they are."""
+    the context (LongRoPE's factor set, tp_jax/models/rope.py `for_context`) chosen for it; other configs as they
+    are."""
     if not isinstance(cfg, DecoderConfig):
         return cfg
     rope, local = for_context(cfg.rope, max_model_len), for_context(cfg.local_rope, max_model_len)

@@ -1,8 +1,9 @@
 """Gemma3ForCausalLM (the text model), and the text model of Gemma3ForConditionalGeneration checkpoints.
 
-Gemma 2's layer with per-head q/k norms ((1 + w) RMSNorm over head_dim) and two rotary embeddings: the sliding layers rotate with the local base (`rope_parameters["sliding_attention"]`,
-10000), the global ones with theta 1e6 and its scaling (`rope_parameters["full_attention"]`); `layer_types` (or
-the older `sliding_window_pattern`, 6: five sliding layers, then a global one) says which layer is which.
+Gemma 2's layer with per-head q/k norms ((1 + w) RMSNorm over head_dim) and two rotary embeddings: the sliding
+layers rotate with the local base (`rope_parameters["sliding_attention"]`, 10000), the global ones with theta 1e6
+and its scaling (`rope_parameters["full_attention"]`); `layer_types` (or the older `sliding_window_pattern`, 6:
+five sliding layers, then a global one) says which layer is which.
 No soft-capping in released checkpoints (read if set).
 """
 
@@ -57,9 +58,9 @@ def gemma3_vlm_weights(cfg):
     def moved(prefix: str, lm_head: str) -> WeightTable:
         rename = lambda n: (lm_head if n == "lm_head.weight" else prefix + n[len("model."):]) \
             if n.startswith(("model.", "lm_head.")) else n
+        vision = ["vision_tower.*", "multi_modal_projector.*", "model.vision_tower.*", "model.multi_modal_projector.*"]
         return WeightTable([dataclasses.replace(e, hf=rename(e.hf)) for e in base.entries],
-                           [rename(n) for n in base.ignored] + ["vision_tower.*", "multi_modal_projector.*",
-                                                                "model.vision_tower.*", "model.multi_modal_projector.*"])
+                           [rename(n) for n in base.ignored] + vision)
     new = moved("model.language_model.", "lm_head.weight")
     old = moved("language_model.model.", "language_model.lm_head.weight")
     return dataclasses.replace(old, variants=(new,))

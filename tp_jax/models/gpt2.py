@@ -19,7 +19,7 @@ tensor (three entries of `qkv_proj` with row offsets 0, D, 2D).
 from __future__ import annotations
 
 from tp_jax.models.causal_lm import CausalLM
-from tp_jax.models.config import REQUIRED, UnsupportedConfigError, eos_ids, read_fields
+from tp_jax.models.config import REQUIRED, UnsupportedConfigError, eos_ids, head_dim_of, read_fields
 from tp_jax.models.decoder import DecoderConfig
 from tp_jax.models.registry import first_architecture, register
 from tp_jax.parallel.layers import Entry, WeightTable
@@ -51,13 +51,10 @@ def gpt2_config(hf, raw=None) -> DecoderConfig:
     if f["activation_function"] not in GPT2_ACTIVATIONS:
         raise UnsupportedConfigError(f"config field activation_function={f['activation_function']!r} is not "
                                      f"supported for {arch}; supported: {sorted(GPT2_ACTIVATIONS)}")
-    d, heads = f["n_embd"], f["n_head"]
-    if d % heads:
-        raise UnsupportedConfigError(f"config fields n_embd={d} and n_head={heads}: n_embd must be a multiple "
-                                     f"of n_head")
+    d, heads, hd = f["n_embd"], f["n_head"], head_dim_of(f, "n_embd", "n_head")
     return DecoderConfig(
         architecture=arch, vocab_size=f["vocab_size"], hidden_size=d, num_layers=f["n_layer"], num_heads=heads,
-        num_kv_heads=heads, head_dim=d // heads, max_position_embeddings=int(f["n_positions"]),
+        num_kv_heads=heads, head_dim=hd, max_position_embeddings=int(f["n_positions"]),
         tie_word_embeddings=bool(f["tie_word_embeddings"]), bos_token_id=f["bos_token_id"],
         eos_token_ids=eos_ids(f["eos_token_id"]), intermediate_size=f["n_inner"] or 4 * d,
         norm="layer", norm_eps=float(f["layer_norm_epsilon"]), rope=None, learned_positions=True,

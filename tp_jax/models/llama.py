@@ -8,7 +8,7 @@ this map and this table with other arguments (tp_jax/models/qwen2.py, qwen3.py, 
 from __future__ import annotations
 
 from tp_jax.models.causal_lm import CausalLM
-from tp_jax.models.config import REQUIRED, UnsupportedConfigError, eos_ids, read_fields
+from tp_jax.models.config import REQUIRED, UnsupportedConfigError, eos_ids, only_silu, read_fields
 from tp_jax.models.decoder import NORM_PLACEMENTS, DecoderConfig
 from tp_jax.models.registry import first_architecture, register
 from tp_jax.models.rope import ROPE_FIELDS, rope_from_hf
@@ -51,9 +51,7 @@ def llama_config(hf, raw=None, *, window: str = "none", qk_norm: bool = False, q
     fields = {**LLAMA_FIELDS, **(PER_LAYER_WINDOW_FIELDS if window == "per_layer" else {}), **(extra_fields or {})}
     f = read_fields(hf, fields, arch, raw)
     cls, more = extend(f, arch) if extend else (DecoderConfig, {})
-    if f["hidden_act"] not in ("silu", "swish"):
-        raise UnsupportedConfigError(f"config field hidden_act={f['hidden_act']!r} is not supported for {arch}; "
-                                     f"only 'silu'")
+    only_silu(f["hidden_act"], arch)
     heads, bias = f["num_attention_heads"], bool(f["attention_bias"])
     windows = _sliding_window(f, arch, window)
     return cls(

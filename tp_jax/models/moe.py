@@ -142,21 +142,16 @@ def moe_weights(cfg: MoEConfig, *, prefix: str = "mlp", names=("gate_proj", "up_
     entries += _shared_entries(cfg, hf, ours)
     if cfg.ff_kinds is None:
         return WeightTable(entries, base.ignored, variants=(fused_expert_weights(cfg, entries, prefix),))
-    dense = [e for e in base.entries if e.param.startswith(ours + ".")]       # the dense layers' MLP entries
+    dense = _to_stack([e for e in base.entries if e.param.startswith(ours + ".")], ours, "dense")   # Llama's MLP
     fused = fused_expert_weights(cfg, entries, prefix).entries
-    return WeightTable(_kind_stacks(entries + dense, ours, dense), base.ignored,
-                       variants=(WeightTable(_kind_stacks(list(fused) + dense, ours, dense), base.ignored),))
+    return WeightTable(_to_stack(entries, ours, "moe") + dense, base.ignored,
+                       variants=(WeightTable(_to_stack(fused, ours, "moe") + dense, base.ignored),))
 
 
-def _kind_stacks(entries: list[Entry], ours: str, dense: list[Entry]) -> list[Entry]:
-    """The feed-forward entries moved to the model's per-kind stacks (a stack with dense and MoE layers)."""
-    out = []
-    for e in entries:
-        if e.param.startswith(ours + "."):
-            kind = "dense" if e in dense else "moe"
-            e = dataclasses.replace(e, param=f"model.ff_stacks.{kind}.layers." + e.param[len(ours) + 1:])
-        out.append(e)
-    return out
+def _to_stack(entries, ours: str, kind: str) -> list[Entry]:
+    """`entries` with the feed-forward params (under `ours`) moved to the model's stack of `kind` feed-forwards."""
+    return [dataclasses.replace(e, param=f"model.ff_stacks.{kind}.layers." + e.param[len(ours) + 1:])
+            if e.param.startswith(ours + ".") else e for e in entries]
 
 
 def _shared_entries(cfg: MoEConfig, hf: str, ours: str) -> list[Entry]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from tp_jax.models.causal_lm import CausalLM
-from tp_jax.models.config import REQUIRED, UnsupportedConfigError, eos_ids, read_fields
+from tp_jax.models.config import REQUIRED, UnsupportedConfigError, eos_ids, head_dim_of, only_silu, read_fields
 from tp_jax.models.decoder import DecoderConfig
 from tp_jax.models.llama import llama_weights
 from tp_jax.models.registry import first_architecture, register
@@ -42,22 +42,17 @@ def phi3_config(hf, raw=None) -> DecoderConfig:
     """DecoderConfig from an HF Phi-3 config."""
     arch = first_architecture(hf)
     f = read_fields(hf, PHI3_FIELDS, arch, raw)
-    if f["hidden_act"] not in ("silu", "swish"):
-        raise UnsupportedConfigError(f"config field hidden_act={f['hidden_act']!r} is not supported for {arch}; "
-                                     f"only 'silu'")
-    heads, d = f["num_attention_heads"], f["hidden_size"]
-    if d % heads:
-        raise UnsupportedConfigError(f"config fields hidden_size={d} and num_attention_heads={heads}: hidden_size "
-                                     f"must be a multiple of num_attention_heads")
+    only_silu(f["hidden_act"], arch)
+    heads, d, hd = f["num_attention_heads"], f["hidden_size"], head_dim_of(f, "hidden_size", "num_attention_heads")
     rope = rope_from_hf(hf, partial=True)
-    if int(d // heads * rope.partial_rotary_factor) % 2:
+    if int(hd * rope.partial_rotary_factor) % 2:
         raise UnsupportedConfigError(f"config field partial_rotary_factor={rope.partial_rotary_factor} leaves an odd "
-                                     f"number of rotary dims per head ({d // heads} * factor)")
+                                     f"number of rotary dims per head ({hd} * factor)")
     window = f["sliding_window"]
     return DecoderConfig(
         architecture=arch, vocab_size=f["vocab_size"], hidden_size=d, intermediate_size=f["intermediate_size"],
         num_layers=f["num_hidden_layers"], num_heads=heads, num_kv_heads=f["num_key_value_heads"] or heads,
-        head_dim=d // heads, norm="rms", norm_eps=float(f["rms_norm_eps"]), rope=rope,
+        head_dim=hd, norm="rms", norm_eps=float(f["rms_norm_eps"]), rope=rope,
         max_position_embeddings=int(f["max_position_embeddings"]), tie_word_embeddings=bool(f["tie_word_embeddings"]),
         hidden_act="silu", gated_mlp=True, sliding_window=None if window is None else int(window),
         bos_token_id=f["bos_token_id"], eos_token_ids=eos_ids(f["eos_token_id"]))

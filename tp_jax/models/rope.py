@@ -82,14 +82,18 @@ def rope_from_hf(hf, params=None, *, partial: bool = False) -> RopeConfig:
     if extra:
         raise UnsupportedConfigError(f"config field rope_parameters has unsupported keys {extra} "
                                      f"(rope_type {kind!r})")
-    original = int(params.get("original_max_position_embeddings") or
-                   getattr(hf, "original_max_position_embeddings", None) or getattr(hf, "max_position_embeddings", 8192))
+    original = int(params.get("original_max_position_embeddings")
+                   or getattr(hf, "original_max_position_embeddings", None)
+                   or getattr(hf, "max_position_embeddings", 8192))
     more = {}
     if kind == "longrope":
         factor = params.get("factor") or getattr(hf, "max_position_embeddings", original) / original
         attention = params.get("attention_factor")
         if attention is None:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        if params.get("short_factor") is None or params.get("long_factor") is None:
+            raise UnsupportedConfigError("config field rope_parameters of type 'longrope' need short_factor and "
+                                         f"long_factor; it has {sorted(params)}")
         more = dict(short_factor=tuple(float(x) for x in params["short_factor"]),
                     long_factor=tuple(float(x) for x in params["long_factor"]), attention_factor=float(attention))
     fraction = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None)) if partial else None

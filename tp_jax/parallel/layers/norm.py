@@ -119,11 +119,8 @@ class QKNorm(ParallelModule):
     def __call__(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q[..., q_local, hd], k[..., kv_local, hd] (this rank's slots) -> the same, normalized."""
         q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
-        counted = jnp.asarray(np.asarray(self.kv_counted, np.float32))
-        if self.tp_size > 1:
-            counted = counted[collectives.axis_index(TP)]
-        else:
-            counted = counted[0]
+        rank = collectives.axis_index(TP) if self.tp_size > 1 else 0
+        counted = jnp.asarray(np.asarray(self.kv_counted, np.float32))[rank]
         sq = row_sum(row_sum(q32 * q32))                              # [...] over hd, then the slots
         sk = row_sum(row_sum(k32 * k32) * counted)
         both = jnp.stack([sq, sk], axis=-1)

@@ -43,8 +43,9 @@ class Stack(nnx.Module):
         slots are not the model's own `layer_map` (a stack holding one kind of a model's varied layers).
 
     `stack(fn, h, carry)` runs `h, carry = fn(layer_i, i, h, carry)` over the local layers (a scan; a switched
-    loop after `unstack`) and returns (h, carry); `stack.slot_view()` gives one local slot at a traced index. In a name table, a stacked param's path is "<stack path>.layers.<param>" and its checkpoint
-    names carry `{i}` for the layer index.
+    loop after `unstack`) and returns (h, carry); `stack.slot_view()` gives one local slot at a traced index.
+    In a name table, a stacked param's path is "<stack path>.layers.<param>" and its checkpoint names carry
+    `{i}` for the layer index.
     """
 
     def __init__(self, make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs,

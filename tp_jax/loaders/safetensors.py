@@ -21,7 +21,8 @@ from tp_jax.loaders.dtypes import BY_NAME, BY_SAFETENSORS, FLOATS
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_HEADER = 100 * 2**20
-LOADABLE = tuple(BY_NAME[n].safetensors for n in FLOATS)      # dtypes a tensor may have on disk
+LOADABLE = tuple(BY_NAME[n].safetensors for n in FLOATS)      # dtypes a float weight may have on disk
+NUMPY_UNREADABLE = ("F8_E4M3", "F8_E5M2")                     # read through a memory map instead
 
 
 class CheckpointError(ValueError):
@@ -40,9 +41,18 @@ class SafetensorsTensor:
         return f"SafetensorsTensor({self.name!r}, shape={self.shape}, {self.file_dtype}, {self.path})"
 
     def __getitem__(self, index) -> np.ndarray:
+        if self.file_dtype in NUMPY_UNREADABLE:
+            return self._mapped()[index]
         from safetensors import safe_open
         with safe_open(self.path, framework="numpy") as f:
             return f.get_slice(self.name)[index]
+
+    def _mapped(self) -> np.ndarray:
+        """The tensor as a read-only memory map (FP8: safetensors' numpy reader has no float8 types)."""
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            begin = json.loads(f.read(n))[self.name]["data_offsets"][0]
+        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=8 + n + begin, shape=self.shape)
 
 
 def read_header(path: str) -> dict[str, dict]:
@@ -170,10 +180,14 @@ class SafetensorsSource:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
-    def get(self, name: str) -> SafetensorsTensor:
+    def raw(self, name: str) -> SafetensorsTensor:
+        """The tensor whatever its dtype (a quantized checkpoint's int32 words, FP8 values, ...)."""
         if name not in self._tensors:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir!r}")
-        t = self._tensors[name]
+        return self._tensors[name]
+
+    def get(self, name: str) -> SafetensorsTensor:
+        t = self.raw(name)
         if t.file_dtype not in LOADABLE:
             raise CheckpointError(f"tensor {name!r} in {t.path} has dtype {t.file_dtype}; supported on disk: "
                                   f"{', '.join(LOADABLE)}")

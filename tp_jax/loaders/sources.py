@@ -2,7 +2,8 @@
 
     a `.gguf` file (any case: `M.GGUF` too)       -> GGUFSource, config from its metadata
     a directory with `orbax/` and config.json      -> OrbaxSource (scripts/convert.py --to orbax)
-    a directory with *.safetensors and config.json -> SafetensorsSource
+    a directory with *.safetensors and config.json -> SafetensorsSource (PackedSource over it for a
+                                                      GPTQ / AWQ / FP8 / compressed-tensors checkpoint)
 
 Every source has `keys()`, `in` and `get(name) -> lazy tensor`, under Hugging Face tensor
 names and layouts (docs/adding_a_loader_source.md). A directory that an interrupted
@@ -12,12 +13,15 @@ Orbax conversion left behind is named as such, with the command that redoes it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from tp_jax.loaders.gguf import GGUFSource
 from tp_jax.loaders.orbax_source import OrbaxCheckpointError, OrbaxSource, interrupted_orbax, is_orbax_dir
+from tp_jax.loaders.packed import PackedSource
 from tp_jax.loaders.safetensors import SafetensorsSource
 from tp_jax.models.config import ModelConfig, config_from_hf, load_config
+from tp_jax.models.quant_config import checkpoint_quant
 
 
 @dataclasses.dataclass
@@ -54,4 +58,15 @@ def open_checkpoint(path: str, *, config: bool = True) -> Checkpoint:
                                    f"conversion; delete it and re-run `python scripts/convert.py SRC {path} "
                                    f"--to orbax --overwrite`")
     cfg = load_config(path) if config else None
-    return Checkpoint(path, SafetensorsSource(path), cfg)
+    return Checkpoint(path, packed_source(SafetensorsSource(path), path), cfg)
+
+
+def packed_source(source: SafetensorsSource, path: str):
+    """`source`, or a `PackedSource` over it when config.json declares GPTQ / AWQ / FP8 / compressed-tensors."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return source
+    with open(config_file) as f:
+        qc = json.load(f).get("quantization_config")
+    quant = checkpoint_quant(qc) if qc else None
+    return source if quant is None else PackedSource(source, quant)

@@ -8,9 +8,9 @@ subclass) from them with `read_fields`. What `LLM` and the serving engine read i
 The rule for every other field follows what the field does, not a list of harmless names
 (docs/adding_a_model.md, "The config map"). `read_fields` refuses, naming the field and the fix:
 * a required field that is missing (or null);
-* `quantization_config`: a GPTQ / AWQ / bitsandbytes / FP8 ... checkpoint, named by its method
-  (`quantization_refusal`), before any weight is read (not `"gguf"`: transformers writes that
-  for a GGUF it dequantized, whose saved tensors are float);
+* `quantization_config` of a method or scheme tp_jax does not read (bitsandbytes, AQLM, GPTQ's 3-bit, ...),
+  named by its method, scheme and field (`quantization_refusal`, models/quant_config.py), before any
+  weight is read; GPTQ, AWQ, FP8 and compressed-tensors are read by the loader (loaders/packed.py);
 * a field that transformers' reference implementation of the architecture reads
   (`tp_jax/models/reference.py`, from its source), that the model map does not read, with a value
   other than the config class's default: it changes the math in a way tp_jax does not
@@ -51,16 +51,6 @@ ACTIVE_ELSEWHERE = {
     "logits_scaling": ((None, 1, 1.0), "scaled logits (Granite)"),
     "clip_qkv": ((None,), "clipped q/k/v activations (OLMo)"),
 }
-
-# quant_method values whose weights transformers stores dequantized: its GGUF load writes
-# {"quant_method": "gguf"} into the config.json of a save_pretrained copy whose tensors are float.
-DEQUANTIZED_METHODS = frozenset({"gguf"})
-# quantization_config's quant_method -> the name users know
-QUANT_METHODS = {"gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes", "fp8": "FP8",
-                 "fbgemm_fp8": "FP8 (fbgemm)", "compressed-tensors": "compressed-tensors", "aqlm": "AQLM",
-                 "hqq": "HQQ", "eetq": "EETQ", "quanto": "quanto", "torchao": "torchao", "mxfp4": "MXFP4",
-                 "bitnet": "BitNet", "auto-round": "AutoRound", "exl2": "EXL2"}
-
 
 class UnsupportedConfigError(ValueError):
     """A config field (or value) tp_jax does not implement, or a required one that is missing."""
@@ -160,21 +150,13 @@ def check_unknown_fields(hf, fields: Mapping[str, Any], architecture: str) -> No
 
 
 def quantization_refusal(qc) -> None:
-    """UnsupportedConfigError naming the method of a `quantization_config` (None: nothing to refuse)."""
-    if qc is None:
-        return
-    qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc) if isinstance(qc, Mapping) else {"quant_method": qc}
-    method = str(qc.get("quant_method") or ("bitsandbytes" if qc.get("load_in_4bit") or qc.get("load_in_8bit")
-                                             else "unknown"))
-    if method.lower() in DEQUANTIZED_METHODS:
-        return
-    name = QUANT_METHODS.get(method.lower(), method)
-    if method.lower() == "bitsandbytes":
-        name += " 4-bit" if qc.get("load_in_4bit") else " 8-bit" if qc.get("load_in_8bit") else ""
-    raise UnsupportedConfigError(
-        f"{name} checkpoints are not supported yet (config.json has quantization_config with quant_method="
-        f"{method!r}); use the model's float or GGUF release, with `--quantization int8` "
-        f"(LLM(..., quantization='int8')) to quantize it on load")
+    """UnsupportedConfigError for a `quantization_config` tp_jax does not read (models/quant_config.py),
+    naming its method, scheme and deciding field; nothing for float weights or a format it reads."""
+    from tp_jax.models.quant_config import QuantConfigError, checkpoint_quant
+    try:
+        checkpoint_quant(qc)
+    except QuantConfigError as e:
+        raise UnsupportedConfigError(str(e)) from None
 
 
 def _class_defaults(cls) -> dict[str, Any]:

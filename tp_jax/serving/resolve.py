@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from tp_jax.parallel.layers.quantization import FLOAT_TYPES
+from tp_jax.parallel.layers.quantization import FLOAT_TYPES, PACKED_METHODS
 from tp_jax.serving.engine_args import EngineArgs
 
 BF16_DOT_METHODS = frozenset({"bf16"})            # linear methods whose dots take bf16 operands
@@ -73,6 +73,11 @@ class CheckpointFacts:
     def quantized(self) -> bool:
         return any(q is not None and q not in FLOAT_TYPES for q in self.quant_types)
 
+    @property
+    def packed_method(self) -> str | None:
+        """The published format of its quantized weights ("gptq", "awq", "fp8", "compressed-tensors"), if any."""
+        return next((q for q in sorted(self.quant_types, key=str) if q in PACKED_METHODS), None)
+
     def describe(self) -> str:
         kinds = ", ".join(sorted(str(q) for q in self.quant_types if q is not None))
         return f"{self.format} {self.architecture}" + (f" ({kinds})" if kinds else "") + \
@@ -112,7 +117,8 @@ def _asked(name: str) -> Rule:
 
 
 _cpu = lambda f: f.platform.backend == "cpu"                                  # noqa: E731
-_gguf_q = lambda f: f.checkpoint.quantized                                     # noqa: E731
+_gguf_q = lambda f: f.checkpoint.quantized and f.checkpoint.packed_method is None   # noqa: E731
+_packed = lambda f: f.checkpoint.packed_method is not None                    # noqa: E731
 
 RULES: dict[str, list[Rule]] = {
     "dtype": [
@@ -141,6 +147,16 @@ RULES: dict[str, list[Rule]] = {
              "bf16 x bf16 -> float32 dots: the fastest method that keeps the blocks (docs/performance.md)"),
         Rule("a quantized GGUF on an accelerator", _gguf_q, "gguf",
              "the blocks kept (the file's bytes), dots in the run's dtype"),
+        Rule("a GPTQ / AWQ / FP8 / compressed-tensors checkpoint, dtype named",
+             lambda f: _packed(f) and f.args.dtype != "auto", lambda f: f.checkpoint.packed_method,
+             "its packed weights kept (the checkpoint's bytes), each tile dequantized exactly inside a dot in the "
+             "named dtype"),
+        Rule("a GPTQ / AWQ / FP8 / compressed-tensors checkpoint on CPU", lambda f: _packed(f) and _cpu(f),
+             lambda f: f.checkpoint.packed_method + "_bf16",
+             "its packed weights kept (the checkpoint's bytes); each tile dequantized, rounded to bf16, "
+             "bf16 x bf16 -> float32 dots, as for a GGUF"),
+        Rule("a GPTQ / AWQ / FP8 / compressed-tensors checkpoint on an accelerator", _packed,
+             lambda f: f.checkpoint.packed_method, "its packed weights kept, dots in the run's dtype"),
         Rule("weights stored in bfloat16, CPU, dtype auto, switch loop",
              lambda f: f.checkpoint.stored_bf16 and _cpu(f) and f.args.dtype == "auto" and f.layer_loop == "switch",
              "bf16", "the weights as stored (half float32's bytes), bf16 x bf16 -> float32 dots"),

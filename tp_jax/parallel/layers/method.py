@@ -273,7 +273,8 @@ def quantize_rows(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
 TILE_BYTES = 2 * 2**20         # float bytes of one dequantized tile: stays in cache, and its buffer is reused
 
 
-def tiled_matmul(x: jax.Array, arrays: Sequence[jax.Array], dequantize: Callable[..., jax.Array], dtype) -> jax.Array:
+def tiled_matmul(x: jax.Array, arrays: Sequence[jax.Array], dequantize: Callable[..., jax.Array], dtype,
+                 accumulate=None) -> jax.Array:
     """x[..., in] @ W^T -> [..., out], W[out, in] = dequantize(*arrays) rebuilt one tile of output rows at a time.
 
     Every array is [out, ...] (quantized values, scales). A tile of ~`TILE_BYTES` of float
@@ -285,7 +286,7 @@ def tiled_matmul(x: jax.Array, arrays: Sequence[jax.Array], dequantize: Callable
     n = num_tiles(out, inp * jnp.dtype(dtype).itemsize)
     xs = x.reshape(-1, inp).astype(dtype)                                 # [M, in]
     y = row_tiled(lambda rows: map_tiles(lambda *parts: jnp.einsum("md,fd->mf", rows, dequantize(*parts).astype(
-        dtype)), arrays, n), xs)                                          # batch-invariant (invariant.py)
+        dtype), preferred_element_type=accumulate), arrays, n), xs)      # batch-invariant (invariant.py)
     return y.reshape(*x.shape[:-1], out)
 
 

@@ -1,7 +1,8 @@
 """Named quantizations (vLLM's `QuantizationConfig`): which `LinearMethod` each layer of a model gets.
 
     quantization_config(name)            -> a config ("bf16", "int8", "w8a8", "w8a8x2", "w8a8x2_bf16",
-                                            "gguf", "gguf_bf16"); QuantizationError listing the names
+                                            "gguf", "gguf_bf16", "gptq", "awq", "fp8", "compressed-tensors"
+                                            and their "_bf16" forms); QuantizationError listing the names
     quantization_choices()               -> what `LLM(quantization=...)` and `--quantization` accept
     config.method_for(layer, tensors)    -> the layer's method, or None (the layer stays float)
     apply_methods(model, plan)           -> swap methods on a built (abstract) model by module path
@@ -21,13 +22,15 @@ from typing import ClassVar
 
 from flax import nnx
 
+from tp_jax.parallel.layers import packed
 from tp_jax.parallel.layers.by_rows import ByRows
 from tp_jax.parallel.layers.ggml import KEPT, GGUFBlocks
 from tp_jax.parallel.layers.int8 import Int8
 from tp_jax.parallel.layers.loading import LazyTensor
-from tp_jax.parallel.layers.method import Bfloat16, LinearMethod, QuantizationError
+from tp_jax.parallel.layers.method import LINEAR, Bfloat16, LinearMethod, QuantizationError
 
 FLOAT_TYPES = ("F32", "F16", "BF16")          # GGUF tensor types that load as float
+PACKED_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")   # published formats (models/quant_config.py)
 AUTO, NONE = "auto", "none"                   # the names that are no configuration: pick by checkpoint; float
 
 
@@ -150,10 +153,46 @@ class GGUFBf16Config(GGUFConfig):
     dot: ClassVar[str] = "bf16"
 
 
+class PackedConfig(QuantizationConfig):
+    """`PackedWeight` (layers/packed.py) for the linear layers of a GPTQ / AWQ / FP8 / compressed-tensors
+    checkpoint (the loader's `PackedTensor`s); its float tensors (an unquantized LM head, norms) stay float,
+    and so do MoE experts (dequantized at load). `name` is vLLM's method name, which must be the
+    checkpoint's; "<method>_bf16" dots in bf16."""
+    name: ClassVar[str] = "?"
+    method: ClassVar[str] = "?"
+    dot: ClassVar[str] = "float32"
+
+    def method_for(self, layer, tensors):
+        if layer.weight_kind != LINEAR:
+            return None
+        types = {n: getattr(t, "quant_type", None) for n, t in tensors.items()}
+        if all(q is None for q in types.values()):
+            return None
+        plain = sorted(n for n, q in types.items() if q is None)
+        if plain:
+            raise QuantizationError(f"the tensors of one param mix quantized and float weights ({plain[0]!r} is "
+                                    f"float); load with quantization=None to dequantize them")
+        other = sorted({q for q in types.values()} - {self.method})
+        if other:
+            raise QuantizationError(f"quantization={self.name!r} reads {self.method} checkpoints; this one is "
+                                    f"{other[0]} (leave quantization='auto', or name {other[0]!r})")
+        return packed.for_layer(self.method, layer.statements()[layer.weight_name], tensors, self.dot,
+                                label=next(iter(tensors)))
+
+
+def _packed_configs() -> dict[str, type[QuantizationConfig]]:
+    out = {}
+    for method in PACKED_METHODS:
+        for dot, suffix in (("float32", ""), ("bf16", "_bf16")):
+            out[method + suffix] = type(f"PackedConfig_{method}{suffix}", (PackedConfig,),
+                                        {"name": method + suffix, "method": method, "dot": dot})
+    return out
+
+
 QUANTIZATIONS: dict[str, type[QuantizationConfig]] = {
     "bf16": Bfloat16Config, "int8": Int8Config, "w8a8": W8A8Config, "w8a8x2": W8A8x2Config,
     "w8a8x2_bf16": W8A8x2Bf16Config,
-    "gguf": GGUFConfig, "gguf_bf16": GGUFBf16Config}
+    "gguf": GGUFConfig, "gguf_bf16": GGUFBf16Config, **_packed_configs()}
 
 
 def register_quantization(name: str, config: type[QuantizationConfig]) -> None:

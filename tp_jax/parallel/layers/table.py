@@ -107,6 +107,30 @@ def template_regex(template: str) -> re.Pattern:
     return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)"))
 
 
+class PackedRows:
+    """A packed quantized weight's rows [offset, offset + rows): its methods with the output slice shifted."""
+
+    def __init__(self, tensor, offset: int, rows: int):
+        self.tensor, self.offset = tensor, offset
+        self.shape = (rows, tensor.shape[1])
+
+    def __getattr__(self, name):
+        return getattr(self.tensor, name)
+
+    def _rows(self, o: slice) -> slice:
+        lo, hi, _ = o.indices(self.shape[0])
+        return slice(lo + self.offset, hi + self.offset)
+
+    def values(self, o: slice, i: slice):
+        return self.tensor.values(self._rows(o), i)
+
+    def scales(self, o: slice):
+        return self.tensor.scales(self._rows(o))
+
+    def zeros(self, o: slice):
+        return self.tensor.zeros(self._rows(o))
+
+
 class TensorView:
     """A stored lazy tensor seen in the declared layout: transposed (`in_out`) and/or a run of rows.
 
@@ -146,6 +170,15 @@ class TensorView:
         to), None where the source does not say."""
         dtype = getattr(self.tensor, "dtype", None)
         return None if dtype is None else np.dtype(dtype)
+
+    def packed(self) -> PackedRows:
+        """The stored quantized weight (a published format's `values`, `scales`, `zeros`, `groups`: loaders/packed.py)
+        over the same rows as this view."""
+        if not hasattr(self.tensor, "values"):
+            raise ValueError(f"{self.tensor!r} is not a packed quantized weight")
+        if self.transposed:
+            raise ValueError("a packed weight is read in its [out, in] layout, not transposed")
+        return PackedRows(self.tensor, self.offset, self.shape[0])
 
     def blocks(self) -> TensorView:
         """The stored tensor's raw quant blocks `[rows, in/32, bytes]`, over the same rows as this view."""

@@ -175,38 +175,41 @@ def quantization_config(fmt: str) -> dict:
                                           "input_activations": acts, "format": fmt_name}}}
 
 
-def write_quantized(root: str, fmt: str, seed: int = 0, config: dict | None = None) -> tuple[str, str]:
-    """Write the tiny Llama quantized as `fmt` (a key of FORMATS) and its dequantized float twin, once."""
+def write_quantized(root: str, fmt: str, seed: int = 0, config=None) -> tuple[str, str]:
+    """Write a tiny model (`config`: a transformers config; default the tiny Llama of BASE) quantized as `fmt`
+    (a key of FORMATS), and its dequantized float twin, once. transformers saves the float model (MoE experts
+    as per-expert tensors, as published checkpoints hold them); each decoder linear weight is then quantized
+    and replaced in the twin by its dequantized values."""
     import torch
-    from safetensors.numpy import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
     from tests.tiny_models import randomize
     path, twin = os.path.join(root, fmt), os.path.join(root, fmt + "_dequantized")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path, twin
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**BASE, **(config or {}),
-                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
-    model = randomize(LlamaForCausalLM(cfg).eval())
+    cfg = config or LlamaConfig(**BASE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    randomize(AutoModelForCausalLM.from_config(cfg).eval()).save_pretrained(twin, safe_serialization=True)
+    floats = load_file(os.path.join(twin, "model.safetensors"))
     writer, kw = FORMATS[fmt]
-    tensors, streams = {}, {}
     shared_input = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            module = name.rsplit(".", 1)[0]
-            if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS:
-                layer, kind = module.rsplit(".", 2)[0], module.rsplit(".", 1)[-1]
-                key = f"{layer}.{shared_input.get(kind, kind)}"         # GPTQ's act order follows the input's
-                rng = np.random.default_rng([seed, *map(ord, key)])     # Hessian: one order per shared input
-                stored, deq = WRITERS[writer](p.numpy().astype(np.float32), rng=rng, **kw)
-                tensors.update({f"{module}.{k}": np.ascontiguousarray(v) for k, v in stored.items()})
-                p.copy_(torch.from_numpy(deq))
-            else:
-                tensors[name] = p.numpy().copy()
-    model.save_pretrained(twin, safe_serialization=True)
+    tensors, twin_tensors = {}, {}
+    for name, w in floats.items():
+        module, leaf = name.rsplit(".", 1)
+        kind = module.rsplit(".", 1)[-1]
+        if leaf != "weight" or kind not in LINEARS:
+            tensors[name] = twin_tensors[name] = w
+            continue
+        key = f"{module.rsplit('.', 1)[0]}.{shared_input.get(kind, kind)}"   # GPTQ's act order follows the input's
+        rng = np.random.default_rng([seed, *map(ord, key)])                   # Hessian: one order per shared input
+        stored, deq = WRITERS[writer](w.astype(np.float32), rng=rng, **kw)
+        tensors.update({f"{module}.{k}": np.ascontiguousarray(v) for k, v in stored.items()})
+        twin_tensors[name] = deq.astype(np.float32)
+    save_file(twin_tensors, os.path.join(twin, "model.safetensors"), metadata={"format": "pt"})
     os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    hf = json.load(open(os.path.join(twin, "config.json")))
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(twin, "config.json")) as f:
+        hf = json.load(f)
     hf["quantization_config"] = quantization_config(fmt)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=1)

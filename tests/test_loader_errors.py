@@ -159,25 +159,20 @@ def test_config_that_does_not_fit_is_refused(good, tmp_path, case):
         LLM(copy(good, tmp_path, edit_config=edit), progress=False)
 
 
-def test_gptq_checkpoint_is_named_before_any_weight_is_read(good, tmp_path):
-    """A GPTQ checkpoint (qweight / qzeros / scales instead of weight): one line naming GPTQ, never the
-    missing-tensor error the loader would give for its layout."""
+def test_gptq_tensors_that_contradict_their_config_are_named(good, tmp_path):
+    """A GPTQ checkpoint whose scales do not have the groups config.json's group_size implies: one line naming the
+    tensor, its shape and the field, before any weight is read (not a reshape error deep in the load)."""
     def gptq_tensors(t):
         for name in [n for n in t if n.endswith("_proj.weight")]:
             base, (rows, cols) = name[:-len(".weight")], t[name].shape
             del t[name]
             t.update({f"{base}.qweight": np.zeros((cols // 8, rows), np.int32),
-                      f"{base}.qzeros": np.zeros((1, rows // 8), np.int32),
-                      f"{base}.scales": np.ones((1, rows), np.float16), f"{base}.g_idx": np.zeros(cols, np.int32)})
+                      f"{base}.qzeros": np.zeros((2, rows // 8), np.int32),
+                      f"{base}.scales": np.ones((2, rows), np.float16), f"{base}.g_idx": np.zeros(cols, np.int32)})
     qc = {"bits": 4, "group_size": 128, "desc_act": False, "sym": True, "quant_method": "gptq"}
     path = copy(good, tmp_path, gptq_tensors, lambda c: c.update(quantization_config=qc))
-    with pytest.raises(UnsupportedConfigError, match=r"^GPTQ checkpoints are not supported yet \(config.json has "
-                                                     r"quantization_config with quant_method='gptq'\); use the "
-                                                     r"model's float or GGUF release"):
-        LLM(path, progress=False)
-    os.remove(os.path.join(path, "config.json"))               # without the refusal: the layout error it prevents
-    shutil.copy(os.path.join(good, "config.json"), path)
-    with pytest.raises(MissingWeightError):
+    with pytest.raises(CheckpointError, match=r"GPTQ weight 'model\.layers\.0\..*': scales \(2, \d+\), expected "
+                                              r"\(1, \d+\) for group_size 128 \(check quantization_config\.group_size\)"):
         LLM(path, progress=False)
 
 

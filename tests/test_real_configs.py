@@ -236,23 +236,35 @@ def test_field_that_changes_the_math_is_refused_by_name(case, tmp_path):
         load_config(model_dir(tmp_path, cfg))
 
 
-QUANTIZED = {   # quantization_config as published checkpoints carry it -> the method the error names
+QUANTIZED = {   # quantization_config as published checkpoints carry it (read: loaders/packed.py)
     "GPTQ": {"bits": 4, "group_size": 128, "damp_percent": 0.01, "desc_act": False, "sym": True,
              "true_sequential": True, "quant_method": "gptq"},
     "AWQ": {"bits": 4, "group_size": 128, "quant_method": "awq", "version": "gemm", "zero_point": True},
+    "FP8": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                                       "symmetric": True, "dynamic": False}}}},
+}
+NOT_READ = {   # ... and those tp_jax does not read -> the method the error names
     "bitsandbytes 4-bit": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16",
                            "quant_method": "bitsandbytes"},
     "bitsandbytes 8-bit": {"load_in_8bit": True, "quant_method": "bitsandbytes"},
-    "FP8": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "float-quantized",
-                           "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8}}}},
+    "AQLM": {"quant_method": "aqlm", "nbits_per_codebook": 16, "num_codebooks": 1},
 }
 
 
 @pytest.mark.parametrize("method", list(QUANTIZED))
-def test_quantized_checkpoint_config_names_its_method(method, tmp_path):
+def test_quantized_checkpoint_config_is_read(method, tmp_path):
+    """The model config is the float one; the format is the loader's (tests/test_published_quant.py)."""
     cfg = edited("Qwen2.5-7B-Instruct", quantization_config=QUANTIZED[method])
-    with pytest.raises(UnsupportedConfigError, match=rf"^{re.escape(method)} checkpoints are not supported yet .*"
+    assert load_config(model_dir(tmp_path, cfg)) == load_config(model_dir(tmp_path, published("Qwen2.5-7B-Instruct"),
+                                                                          sub="plain"))
+
+
+@pytest.mark.parametrize("method", list(NOT_READ))
+def test_quantized_checkpoint_config_names_its_method(method, tmp_path):
+    cfg = edited("Qwen2.5-7B-Instruct", quantization_config=NOT_READ[method])
+    with pytest.raises(UnsupportedConfigError, match=rf"^{re.escape(method)} checkpoints are not supported .*"
                                                      r"use the model's float or GGUF release, with `--quantization "
                                                      r"int8`"):
         load_config(model_dir(tmp_path, cfg))

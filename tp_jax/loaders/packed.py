@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tp_jax.loaders.safetensors import CheckpointError
 from tp_jax.models.quant_config import CheckpointQuant
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)              # packing position k holds column 8w + AWQ_ORDER[k]
@@ -130,11 +131,11 @@ class GPTQTensor(PackedTensor):
         super().__init__("gptq", module, shape, quant.group_size or shape[1], quant.desc_act)
         self.kind = f"int{quant.bits}"
         if scales.shape != (self.num_groups, shape[0]) and not self.act_order:
-            raise ValueError(f"GPTQ weight {module!r}: scales {scales.shape}, expected {(self.num_groups, shape[0])} "
+            raise CheckpointError(f"GPTQ weight {module!r}: scales {scales.shape}, expected {(self.num_groups, shape[0])} "
                              f"for group_size {self.group_size} (check quantization_config.group_size)")
         if self.act_order:
             if self._gidx is None:
-                raise ValueError(f"GPTQ weight {module!r} has desc_act but no g_idx tensor")
+                raise CheckpointError(f"GPTQ weight {module!r} has desc_act but no g_idx tensor")
             self.num_groups = scales.shape[0]
 
     def values(self, o, i):
@@ -168,7 +169,7 @@ class AWQTensor(PackedTensor):
         shape = (qweight.shape[1] * 8, qweight.shape[0])
         super().__init__("awq", module, shape, quant.group_size or shape[1], False)
         if self._t["scales"].shape != (self.num_groups, shape[0]):
-            raise ValueError(f"AWQ weight {module!r}: scales {self._t['scales'].shape}, expected "
+            raise CheckpointError(f"AWQ weight {module!r}: scales {self._t['scales'].shape}, expected "
                              f"{(self.num_groups, shape[0])} for group_size {self.group_size}")
 
     def _columns(self, name: str, rows, o: slice) -> np.ndarray:
@@ -205,14 +206,14 @@ class CompressedTensor(PackedTensor):
                         else (self._packed.shape[0], None))
             bits = self._packed.shape[1] * 32 // inp if inp else quant.bits
             if bits not in (4, 8) or self._packed.shape[1] * 32 != inp * bits:
-                raise ValueError(f"compressed-tensors weight {module!r}: weight_packed {self._packed.shape} does not "
+                raise CheckpointError(f"compressed-tensors weight {module!r}: weight_packed {self._packed.shape} does not "
                                  f"hold {inp} inputs at 4 or 8 bits (weight_shape {out, inp})")
             kind = f"int{bits}"
         else:
             out, inp = self._weight.shape
             kind = "fp8" if self._weight.file_dtype.startswith("F8") else "int8"
             if self._weight.file_dtype not in ("F8_E4M3", "I8"):
-                raise ValueError(f"compressed-tensors weight {module!r} is {self._weight.file_dtype}; "
+                raise CheckpointError(f"compressed-tensors weight {module!r} is {self._weight.file_dtype}; "
                                  f"expected int8 or float8_e4m3fn values")
         scale_cols = 1 if self._scale.shape in ((), (1,)) else self._scale.shape[-1]
         self.block_rows = 1
@@ -278,7 +279,7 @@ class FP8Tensor(CompressedTensor):
         bo, bi = quant.block or (out, inp)
         expect = (-(-out // bo), -(-inp // bi)) if quant.block else None
         if expect and tuple(self._scale.shape) != expect:
-            raise ValueError(f"FP8 weight {module!r}: {scale_name.rsplit('.', 1)[-1]} {self._scale.shape}, expected "
+            raise CheckpointError(f"FP8 weight {module!r}: {scale_name.rsplit('.', 1)[-1]} {self._scale.shape}, expected "
                              f"{expect} for weight_block_size {list(quant.block)}")
         PackedTensor.__init__(self, "fp8", module, (out, inp), bi, False)
         self.kind, self.offset = "fp8", 0
@@ -323,7 +324,7 @@ class PackedSource:
             return CompressedTensor(source, module, q), CT_LEAVES
         if q.method == "fp8" and leaf == "weight" and source.raw(f"{module}.weight").file_dtype == "F8_E4M3":
             if not has_scale:
-                raise ValueError(f"FP8 weight {module}.weight has no weight_scale or weight_scale_inv")
+                raise CheckpointError(f"FP8 weight {module}.weight has no weight_scale or weight_scale_inv")
             return FP8Tensor(source, module, q), FP8_LEAVES
         return None, ()
 

@@ -114,7 +114,7 @@ class Experts(ParallelModule):
             first = getattr(self, name)
             lead = first[...].ndim - 3
             lead_shape, lead_spec = tuple(first[...].shape[:lead]), tuple(first.get_metadata()["out_sharding"][:lead])
-            for suffix in ("", "_scale"):
+            for suffix in ("", *self.method.suffixes, "_scale"):
                 if hasattr(self, name + suffix):
                     delattr(self, name + suffix)
             for suffix, p in method.expert_params(d, name, self._global_shape(name)).items():
@@ -179,13 +179,15 @@ class Experts(ParallelModule):
 
     def _kernel(self, name: str, slot: jax.Array | None = None) -> jax.Array:
         """This rank's stacked kernel `name` (its experts `slot`, or all), in the model's dtype (int8 cast)."""
+        if hasattr(self.method, "expert_kernel"):                           # packed: dequantized (layers/packed.py)
+            return self.method.expert_kernel(self, name, slot, self.param_dtype)
         w = getattr(self, name)[...]
         return (w if slot is None else w[slot]).astype(self.param_dtype)
 
     def _scaled(self, y: jax.Array, name: str, slot: jax.Array | None = None) -> jax.Array:
         """y [..., out] (slot given: one row per slot) times the per-expert output-channel scales of an int8
         kernel (exact for per-output-channel scales); unchanged for a float one."""
-        if isinstance(self.method, Unquantized):
+        if isinstance(self.method, Unquantized) or hasattr(self.method, "expert_kernel"):
             return y
         s = getattr(self, name + "_scale")[...]                                  # [E_local, out]
         return y * (s[slot] if slot is not None else s[:, None, :])

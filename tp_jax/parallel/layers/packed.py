@@ -38,9 +38,12 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from tp_jax.parallel.layers.loading import ShardedParam, check_shape
-from tp_jax.parallel.layers.method import (LINEAR, DerivedParam, LinearMethod, QuantizationError,
+import jax
+
+from tp_jax.parallel.layers.loading import ExpertParam, ShardedParam, check_shape
+from tp_jax.parallel.layers.method import (EXPERTS, LINEAR, DerivedParam, LinearMethod, QuantizationError,
                                            UnsupportedLayerError, WeightParam, describe_layer, out_in, tiled_matmul)
+from tp_jax.parallel.mesh import TP
 
 KINDS = ("int4", "int8", "fp8")
 DOTS = ("float32", "bf16")
@@ -129,16 +132,136 @@ class PackedWeight(LinearMethod):
         return tiled_matmul(x, arrays, dequantize, jnp.bfloat16, accumulate=jnp.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedExperts(LinearMethod):
+    """Stacked MoE experts (`Experts`: gate_up, down) held as `PackedWeight`s, one per param (`methods`: name ->
+    its 2-D method), each expert's params stacked `[E_slots, ...]` and split like the float experts (each
+    expert's rows or columns over tp; whole experts over dp x tp under EP). The expert GEMMs read their
+    kernels through `expert_kernel`: the experts a step reads, dequantized to the run's dtype (weight-only,
+    as int8 experts are cast), in float32 exactly the checkpoint's weights."""
+    methods: tuple[tuple[str, PackedWeight], ...]
+    name: ClassVar[str] = "packed"
+    kinds: ClassVar[tuple[str, ...]] = (EXPERTS,)
+
+    def method(self, name: str) -> PackedWeight:
+        return dict(self.methods)[name]
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        return self.methods[0][1].suffixes
+
+    @property
+    def label(self) -> str:
+        return self.methods[0][1].label
+
+    def check(self, layer, weight) -> None:
+        super().check(layer, weight)
+
+    def expert_params(self, weight: ExpertParam, name: str, shape: tuple[int, ...]) -> dict[str, WeightParam]:
+        """The stacked params of the float statement `weight` (kernels [S, in, out]): each of the 2-D method's
+        params per expert, stacked."""
+        one = weight._expert()
+        flat = self.method(name).params(one, name, tuple(shape[1:]), None)
+        return {suffix: WeightParam(ExpertPackedParam(weight.parts, weight.split, False, reads=name, expert=weight,
+                                                      inner=p.decl, method=self.method(name), field=suffix,
+                                                      local_shape=_local_shape(p, weight)),
+                                    (shape[0], *p.shape), p.dtype) for suffix, p in flat.items()}
+
+    def expert_kernel(self, layer, name: str, slot: jax.Array | None, dtype) -> jax.Array:
+        """[E?, in, out] in `dtype`: the experts `slot` (None: every local expert) of param `name`, dequantized."""
+        method = self.method(name)
+        arrays = {s: getattr(layer, name + s)[...] for s in method.suffixes}
+        if slot is not None:
+            arrays = {s: a[slot] for s, a in arrays.items()}
+        group = arrays.pop("_group", None)
+        lead = arrays[""].shape[:-2]
+        flat = [a.reshape(-1, *a.shape[-2:]) for a in arrays.values()]
+        if group is None:
+            w = jax.vmap(method.dequantize)(*flat)
+        else:
+            w = jax.vmap(lambda *a: method.dequantize(*a[:-1], group=a[-1][0]))(*flat, group.reshape(-1, 1, group.shape[-1]))
+        return jnp.swapaxes(w.reshape(*lead, *w.shape[-2:]), -1, -2).astype(dtype)
+
+
+def _local_shape(p: WeightParam, weight: ExpertParam) -> tuple[int, ...]:
+    """One rank's block of the 2-D param `p` (one expert): its split dim divided over the statement's ranks."""
+    shape, dim = list(p.shape), p.decl.param_dim
+    if dim is not None and weight.slots is None:
+        ranks = next(iter(weight.parts.values())).rows.shape[0]
+        shape[dim] //= ranks
+    return tuple(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertPackedParam(DerivedParam):
+    """`field` of the packed experts the float statement `expert` declares, `[S, ...]`: each expert's rank block
+    (`inner`, the 2-D param of one expert) stacked; a rank reads only its experts (EP) or its rows (TP)."""
+    expert: ExpertParam | None = None
+    inner: DerivedParam | None = None
+    method: PackedWeight | None = None
+    field: str = ""
+    local_shape: tuple[int, ...] = ()
+
+    @property
+    def param_dim(self) -> int | None:
+        if self.expert.slots is not None:
+            return 0
+        return None if self.inner.param_dim is None else self.inner.param_dim + 1
+
+    def spec(self) -> tuple:
+        lead = self.expert.spec()[0]
+        inner = self.inner.param_dim if self.expert.slots is None else None
+        return (lead, *(TP if i == inner else None for i in range(2)))
+
+    def block(self, rank, tensors, names=None):
+        e_all, names = self.expert, names or {}
+        one = e_all._expert()
+        experts = range(len(e_all.parts) // len(e_all.names)) if e_all.slots is None else e_all.slots[rank]
+        inner_rank = rank if e_all.slots is None else 0
+        out = []
+        for e in experts:
+            if e < 0:
+                out.append(np.zeros(self.local_shape, self.method.params(one, "", _float_shape(one), None)[
+                    self.field].dtype))
+                continue
+            keys = {n: f"{n}.{e}" for n in e_all.names}
+            missing = [k for k in keys.values() if k not in tensors]
+            if missing:
+                raise KeyError(f"missing weight part(s) {missing}")
+            out.append(rank_block(self.method, one, self.field, inner_rank, {n: tensors[k] for n, k in keys.items()},
+                                  {n: names.get(k, k) for n, k in keys.items()}))
+        return np.stack(out)
+
+
+def _float_shape(one: ShardedParam) -> tuple[int, int]:
+    """The global float kernel shape [in, out] of one expert's statement (its parts [out, in], padded rows)."""
+    parts = list(one.parts.values())
+    out = sum(p.rows.size if one.split == 0 else p.hf_shape[0] for p in parts)
+    inp = parts[0].rows.size if one.split == 1 else parts[0].hf_shape[1]
+    return (inp, out) if one.transpose else (out, inp)
+
+
+def for_experts(quant_type: str, statements: Mapping[str, ExpertParam], tensors: Mapping[str, object],
+                dot: str) -> PackedExperts:
+    """`PackedExperts` for an `Experts` layer: each param's run length from its own statement; the tensors
+    (gate/up, every layer and expert) give the kind and the group size, which down shares (checked at load)."""
+    return PackedExperts(tuple((name, for_layer(quant_type, weight, tensors, dot, columns=name == "gate_up"))
+                               for name, weight in statements.items()))
+
+
 def for_layer(quant_type: str, weight: ShardedParam, tensors: Mapping[str, object], dot: str,
-              label: str = "") -> PackedWeight:
+              label: str = "", columns: bool = True) -> PackedWeight:
     """The method for a layer whose weight statement is `weight`, filled by the `PackedTensor`s `tensors`
-    (every layer and part): the run length L its ranks' columns allow (module docstring)."""
+    (every layer and part): the run length L its ranks' columns allow (module docstring). `columns=False`:
+    the tensors are another param's (an expert's gate/up for its down): only their kind and group size count."""
     ts = [as_packed(t) for t in tensors.values()]
     kinds = {t.kind for t in ts}
     if len(kinds) > 1:
         raise QuantizationError(f"the tensors of one param mix {sorted(kinds)} values ({label}); a param stacks "
                                 f"every layer and fuses q/k/v or gate/up, so it holds one kind")
     kind = kinds.pop()
+    if any(t.act_order for t in ts) and not columns:
+        raise QuantizationError("act-order (g_idx) experts are not kept packed; load with quantization=None")
     if any(t.act_order for t in ts):
         counts = {t.num_groups for t in ts}
         if len(counts) > 1:
@@ -149,8 +272,10 @@ def for_layer(quant_type: str, weight: ShardedParam, tensors: Mapping[str, objec
     if weight.split == 1:
         for spec in weight.parts.values():
             run = math.gcd(run, _run_length(spec.rows, run))
-    else:
+    elif columns:
         run = math.gcd(run, *(t.shape[1] for t in ts))
+    else:
+        run = math.gcd(run, *(p.hf_shape[1] for p in weight.parts.values()))
     if run < min(MIN_RUN, *sizes) or (weight.split == 1 and len(sizes) > 1):
         return PackedWeight(quant_type, kind, 0, dot, max(t.num_groups for t in ts))
     return PackedWeight(quant_type, kind, run, dot)
@@ -224,5 +349,9 @@ def _field(method: PackedWeight, t, field: str, o: np.ndarray, i: np.ndarray) ->
     per_group = _take(per_group, o, o_sl.start, 0)
     if method.act_order:
         return np.concatenate([per_group, np.zeros((len(o), 1), per_group.dtype)], axis=1)
-    runs = cols.reshape(-1, method.local_group)[:, 0]
-    return _take(per_group, runs, 0, 1)
+    runs = cols.reshape(-1, method.local_group)
+    if (runs != runs[:, :1]).any():
+        raise QuantizationError(f"{t!r}: its groups of {t.group_size} inputs do not fall in whole runs of "
+                                f"{method.local_group} columns on this rank (a param with another group size than "
+                                f"its layer's other params); load with quantization=None")
+    return _take(per_group, runs[:, 0], 0, 1)

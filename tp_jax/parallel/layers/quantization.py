@@ -27,7 +27,7 @@ from tp_jax.parallel.layers.by_rows import ByRows
 from tp_jax.parallel.layers.ggml import KEPT, GGUFBlocks
 from tp_jax.parallel.layers.int8 import Int8
 from tp_jax.parallel.layers.loading import LazyTensor
-from tp_jax.parallel.layers.method import LINEAR, Bfloat16, LinearMethod, QuantizationError
+from tp_jax.parallel.layers.method import EXPERTS, LINEAR, Bfloat16, LinearMethod, QuantizationError
 
 FLOAT_TYPES = ("F32", "F16", "BF16")          # GGUF tensor types that load as float
 PACKED_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")   # published formats (models/quant_config.py)
@@ -155,15 +155,15 @@ class GGUFBf16Config(GGUFConfig):
 
 class PackedConfig(QuantizationConfig):
     """`PackedWeight` (layers/packed.py) for the linear layers of a GPTQ / AWQ / FP8 / compressed-tensors
-    checkpoint (the loader's `PackedTensor`s); its float tensors (an unquantized LM head, norms) stay float,
-    and so do MoE experts (dequantized at load). `name` is vLLM's method name, which must be the
+    checkpoint (the loader's `PackedTensor`s) and `PackedExperts` for its stacked MoE experts; its float
+    tensors (an unquantized LM head, the router, norms) stay float. `name` is vLLM's method name, which must be the
     checkpoint's; "<method>_bf16" dots in bf16."""
     name: ClassVar[str] = "?"
     method: ClassVar[str] = "?"
     dot: ClassVar[str] = "float32"
 
     def method_for(self, layer, tensors):
-        if layer.weight_kind != LINEAR:
+        if layer.weight_kind not in (LINEAR, EXPERTS):
             return None
         types = {n: getattr(t, "quant_type", None) for n, t in tensors.items()}
         if all(q is None for q in types.values()):
@@ -176,6 +176,8 @@ class PackedConfig(QuantizationConfig):
         if other:
             raise QuantizationError(f"quantization={self.name!r} reads {self.method} checkpoints; this one is "
                                     f"{other[0]} (leave quantization='auto', or name {other[0]!r})")
+        if layer.weight_kind == EXPERTS:
+            return packed.for_experts(self.method, layer.statements(), tensors, self.dot)
         return packed.for_layer(self.method, layer.statements()[layer.weight_name], tensors, self.dot,
                                 label=next(iter(tensors)))
 

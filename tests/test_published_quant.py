@@ -1,0 +1,186 @@
+"""Published quantized checkpoints (GPTQ, AWQ, FP8, compressed-tensors) against transformers on their dequantized
+weights: tiny Llama (and Qwen3-MoE) checkpoints written by the packing rules and the compressed-tensors package
+(tests/quantized_checkpoints.py), loaded per device and kept packed.
+
+* `dtype="float32"`: logits within 2e-4 of a float32 transformers model holding the exactly dequantized weights,
+  greedy tokens equal, at tp 1, 2, 4 and pp 2 x tp 2 (tp 4 cuts the 32-input groups of o_proj and down_proj);
+* the default ("auto": bf16 dots on CPU) within 1% perplexity of that reference, and batch-invariant;
+* per-device parameter bytes at most 1.3 x the checkpoint's bytes / tp;
+* what is not read is refused before any weight is read, naming the method, the scheme and the field.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.quantized_checkpoints import FORMATS, write_quantized
+from tests.tiny_models import logits_and_greedy
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
+
+MESHES = [(1, 1, 2), (1, 1, 4), (1, 2, 2)]          # (dp, pp, tp) beside tp 1
+IDS = np.random.default_rng(0).integers(0, 512, size=(3, 13))
+PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 30], [5, 17, 250, 42, 9], [99, 3]]   # < both vocabs
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("published_quant"))
+
+
+@pytest.fixture(scope="module")
+def reference(root):
+    """fmt -> (checkpoint, logits of IDS and greedy tokens of PROMPTS from transformers on the dequantized twin)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    cache = {}
+
+    def get(fmt: str, config=None, vocab: int = 512):
+        if (fmt, config is not None) not in cache:
+            path, twin = write_quantized(root if config is None else os.path.join(root, "moe"), fmt, config=config)
+            model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+            ids = IDS % vocab
+            cache[fmt, config is not None] = (path, ids, *logits_and_greedy(model, ids, PROMPTS))
+        return cache[fmt, config is not None]
+    return get
+
+
+def check(ref, mesh=(1, 1, 1), greedy: bool = True, **kw):
+    path, ids, logits, tokens = ref
+    dp, pp, tp = mesh
+    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+              progress=False, **kw)
+    assert llm.quantization.split()[0] in ("gptq", "awq", "fp8", "compressed-tensors"), llm.quantization
+    diff = float(np.abs(llm.get_logits(ids) - logits).max())
+    print(f"{os.path.basename(path)} {mesh} {kw}: {llm.quantization}, max abs logit diff {diff:.2e}")
+    assert diff <= 2e-4, diff
+    if greedy:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == tokens
+    return llm
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_float32_is_the_dequantized_checkpoint(reference, fmt):
+    """Every format and scheme, kept packed, at tp 1: transformers' logits on the exactly dequantized weights."""
+    check(reference(fmt))
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "dp{}pp{}tp{}".format(*m))
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_float32_on_meshes(reference, fmt, mesh):
+    """Each rank reads its slice of the packed words, scales, zero points and g_idx: column layers their output
+    rows, row layers their input columns (tp 4 cuts o_proj's and down_proj's 32-input groups; GPTQ's act order
+    gathers each rank's scales by g_idx)."""
+    check(reference(fmt), mesh, greedy=mesh == (1, 2, 2))
+
+
+def perplexity(logits: np.ndarray, ids: np.ndarray) -> float:
+    shifted = logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return float(np.exp(-np.take_along_axis(logp, ids[:, 1:, None], -1).mean()))
+
+
+@pytest.mark.default_compile          # batch invariance is a promise at XLA's default LLVM level (docs/design.md)
+@pytest.mark.parametrize("fmt", ["gptq4_sym_actorder", "awq4", "ct_w8a8", "fp8_block"])
+def test_default_is_close_and_batch_invariant(reference, fmt):
+    """No dtype: the packed weights kept, bf16 dots (the resolve step's rule on CPU): perplexity of the reference's
+    own greedy text within 1% of the reference's; a request's tokens and logprobs are the same alone and beside
+    others."""
+    path, ids, logits, tokens = reference(fmt)
+    llm = LLM(path, progress=False)
+    assert llm.quantization.endswith("(bf16 dot)") and llm.setup.batch_invariant, llm.quantization
+    text = np.array([PROMPTS[0] + tokens[0]])
+    import torch
+    from transformers import AutoModelForCausalLM
+    twin = AutoModelForCausalLM.from_pretrained(path + "_dequantized", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = perplexity(twin(torch.tensor(text)).logits.numpy(), text)
+    got = perplexity(llm.get_logits(text), text)
+    print(f"{fmt}: perplexity {got:.4f} vs {ref:.4f} ({100 * (got / ref - 1):+.3f}%)")
+    assert abs(got / ref - 1) <= 0.01
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    alone = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    beside = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], params)[1].outputs[0]
+    assert alone.token_ids == beside.token_ids
+    assert alone.logprobs == beside.logprobs
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_device_bytes_within_the_checkpoint(reference, tp):
+    """Per-device parameter bytes <= 1.3 x the checkpoint's bytes / tp, for every format (the default method)."""
+    from tp_jax.loaders.model import param_bytes_per_device
+    for fmt in FORMATS:
+        path = reference(fmt)[0]
+        llm = LLM(path, tensor_parallel_size=tp, progress=False)
+        ratio = param_bytes_per_device(llm.model, llm.mesh) / (os.path.getsize(f"{path}/model.safetensors") / tp)
+        print(f"{fmt} tp {tp}: {ratio:.3f} x the checkpoint's bytes / tp")
+        assert ratio <= 1.3, (fmt, ratio)
+
+
+def qwen3_moe_config():
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                          num_experts_per_tok=2, norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"],
+                          tie_word_embeddings=False, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "gptq4"])
+def test_moe_experts_kept_packed(reference, fmt):
+    """A tiny Qwen3-MoE with FP8-block (Qwen3-30B-A3B-FP8's layout) or GPTQ experts: the experts stay packed
+    (`PackedExperts`), exact in float32 with and without expert parallelism."""
+    from flax import nnx
+    from tp_jax.parallel.layers import Experts
+    from tp_jax.parallel.layers.packed import PackedExperts
+    ref = reference(fmt, config=qwen3_moe_config(), vocab=256)
+    for mesh, ep in (((1, 1, 2), False), ((2, 1, 2), True), ((1, 2, 2), True)):
+        llm = check(ref, mesh, greedy=mesh == (1, 1, 2), enable_expert_parallel=ep)
+        experts = [n for _, n in nnx.iter_graph(llm.model) if isinstance(n, Experts)]
+        assert experts and all(isinstance(e.method, PackedExperts) for e in experts)
+
+
+def test_none_dequantizes_and_a_named_method_must_match(reference):
+    """quantization=None loads the same weights as float (the same logits); naming another method is refused."""
+    from tp_jax.parallel.layers.method import QuantizationError
+    path, ids, logits, _ = reference("awq4")
+    llm = LLM(path, dtype="float32", quantization=None, progress=False)
+    assert llm.quantization == "none"
+    assert float(np.abs(llm.get_logits(ids) - logits).max()) <= 2e-4
+    with pytest.raises(QuantizationError, match="reads gptq checkpoints; this one is awq"):
+        LLM(path, quantization="gptq", progress=False)
+
+
+REFUSED = [   # quantization_config -> words the error must name (method, scheme, field)
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, ["GPTQ", "3-bit", "bits=3"]),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+     ["GPTQ", "checkpoint_format='marlin'"]),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, ["AWQ", "GEMV", "version='gemv'"]),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, ["FP8", "fmt='e5m2'"]),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "sparsity_config": {"format": "sparse-24"},
+      "config_groups": {}}, ["compressed-tensors", "sparsity_config"]),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group"}}}},
+     ["compressed-tensors", "nvfp4-pack-quantized", "format"]),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 2, "type": "int", "strategy": "group", "group_size": 64}}}},
+     ["compressed-tensors", "2-bit", "num_bits=2"]),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, ["bitsandbytes 4-bit"]),
+]
+
+
+@pytest.mark.parametrize("qc,words", REFUSED, ids=[str(i) for i in range(len(REFUSED))])
+def test_unsupported_schemes_are_refused_before_any_read(reference, root, qc, words):
+    """The config is refused by LLM(...) before a tensor is read (the checkpoint holds none)."""
+    from tp_jax.models.config import UnsupportedConfigError
+    path = os.path.join(root, f"refused_{abs(hash(json.dumps(qc, sort_keys=True)))}")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(reference("gptq4")[0], "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**cfg, "quantization_config": qc}, f)
+    with pytest.raises(UnsupportedConfigError) as e:
+        LLM(path, progress=False)
+    assert all(w in str(e.value) for w in words), str(e.value)

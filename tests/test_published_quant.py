@@ -184,3 +184,102 @@ def test_unsupported_schemes_are_refused_before_any_read(reference, root, qc, wo
     with pytest.raises(UnsupportedConfigError) as e:
         LLM(path, progress=False)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+# --- published quantization_config blocks, built abstractly at tp 8 --------------------------------------------
+
+QUANT_CONFIGS = os.path.join(os.path.dirname(__file__), "data", "quant_configs")
+PUBLISHED = sorted(f[:-5] for f in os.listdir(QUANT_CONFIGS) if f.endswith(".json"))
+
+
+class MetaPacked:
+    """A packed weight's shape and scheme as a published checkpoint stores it, nothing to read (bytes: its stored
+    tensors, fp16 scales; FP8: float32 block scales)."""
+
+    def __init__(self, quant, shape):
+        self.quant_type, self.shape = quant.method, tuple(shape)
+        self.kind = "fp8" if quant.method == "fp8" else f"int{quant.bits}"
+        self.group_size = quant.block[1] if quant.block else (quant.group_size or shape[1])
+        self.act_order, self.num_groups = quant.desc_act, -(-shape[1] // self.group_size)
+        self.scale_dtype = np.dtype(np.float32 if quant.block else np.float16)
+        self.zero_point = 1 << (quant.bits - 1) if quant.sym else None
+        out, inp = shape
+        if quant.block:
+            self.stored_bytes = out * inp + -(-out // quant.block[0]) * self.num_groups * 4
+        else:
+            self.stored_bytes = (out * inp * quant.bits // 8 + self.num_groups * out * (2 + quant.bits / 8)
+                                 + inp * 4 * (quant.method == "gptq"))
+
+    def values(self, o, i):
+        raise AssertionError("an abstract build reads no weight")
+
+    def __getitem__(self, index):
+        raise AssertionError("an abstract build reads no weight")
+
+
+class MetaFloat(MetaPacked):
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.stored_bytes = self.dtype.itemsize * int(np.prod(shape))
+
+
+def abstract_source(model, table, cfg, quant, dtype):
+    """{tensor name: MetaPacked | MetaFloat} for every tensor the model binds: the decoder's linear weights and
+    experts packed (as the published checkpoints hold them), everything else float in `dtype` (torch_dtype)."""
+    from tp_jax.loaders.bind import bind
+    from tp_jax.parallel.layers.method import EXPERTS, LINEAR
+    tensors = {}
+    for b in bind(model, table):
+        kind = getattr(b.module, "weight_kind", None)
+        packed = ((kind == LINEAR and b.name == b.module.weight_name) or kind == EXPERTS) and \
+            not getattr(b.module, "keep_float", False)
+        for layer in b.layers(cfg.num_layers):
+            for part, name in b.tensor_names(layer).items():
+                shape = b.decl.parts[part].hf_shape
+                tensors[name] = MetaPacked(quant, shape) if packed else MetaFloat(shape, dtype)
+    return tensors
+
+
+class DictSource(dict):
+    def keys(self):
+        return list(super().keys())
+
+    def get(self, name):
+        return self[name]
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_quantization_config_builds_at_tp8(name, tmp_path):
+    """Each published config (tests/data/quant_configs/INDEX.md) is read, or refused naming its scheme (3-bit
+    GPTQ); a read one builds at tp 8 with the method "auto" picks on CPU, every decoder linear layer (and expert)
+    kept packed, in at most 1.3 x the checkpoint's bytes / 8 per device."""
+    import jax
+    from tp_jax.loaders.model import abstract_model, param_bytes_per_device
+    from tp_jax.loaders.quantize import plan_methods
+    from tp_jax.models.config import UnsupportedConfigError, load_config
+    from tp_jax.models.quant_config import checkpoint_quant
+    from tp_jax.models.registry import architecture
+    from tp_jax.parallel.mesh import make_mesh
+    with open(os.path.join(QUANT_CONFIGS, name + ".json")) as f:
+        published = json.load(f)
+    os.makedirs(tmp_path / "m")
+    with open(tmp_path / "m" / "config.json", "w") as f:
+        json.dump(published, f)
+    if published["quantization_config"].get("bits") == 3:
+        with pytest.raises(UnsupportedConfigError, match=r"GPTQ checkpoint with 3-bit.*bits=3 is not supported"):
+            load_config(str(tmp_path / "m"))
+        return
+    cfg = load_config(str(tmp_path / "m"))
+    quant = checkpoint_quant(published["quantization_config"])
+    mesh = make_mesh(tp=8, devices=jax.devices()[:8])
+    table = architecture(cfg.architecture).weights(cfg)
+    import jax.numpy as jnp
+    dtype = {"float16": np.float16, "bfloat16": jnp.bfloat16}[published.get("torch_dtype") or published["dtype"]]
+    source = DictSource(abstract_source(abstract_model(cfg, mesh), table, cfg, quant, dtype))
+    plan = plan_methods(abstract_model(cfg, mesh), table, source, cfg.num_layers, quant.method + "_bf16")
+    model = abstract_model(cfg, mesh, methods=plan)
+    held = param_bytes_per_device(model, mesh)
+    stored = sum(t.stored_bytes for t in source.values())
+    print(f"{name} ({quant.scheme}): {len(plan)} packed params, {held / 2**30:.2f} GiB a device at tp 8 for a "
+          f"{stored / 2**30:.2f} GiB checkpoint: {held / (stored / 8):.3f} x its bytes / 8")
+    assert len(plan) >= 3 + ("Moe" not in cfg.architecture) and held <= 1.3 * stored / 8

@@ -74,6 +74,8 @@ class PackedTensor:
     """A quantized Linear weight as its float `[out, in]` (module docstring). Subclasses read one layout."""
     kind = "int4"                       # "int4", "int8", "fp8": what `values` holds
     dtype = np.dtype(np.float32)        # what slicing returns
+    scale_dtype = np.dtype(np.float32)  # what the checkpoint stores its scales in (`scales` returns float32)
+    zero_point = None                   # a symmetric scheme's one zero point (`zeros` then holds only it)
 
     def __init__(self, method: str, module: str, shape: tuple[int, int], group_size: int, act_order: bool):
         self.quant_type, self.module, self.shape = method, module, tuple(shape)
@@ -129,7 +131,8 @@ class GPTQTensor(PackedTensor):
         self.per, self.offset = 32 // quant.bits, quant.zero_offset
         shape = (qweight.shape[1], qweight.shape[0] * self.per)
         super().__init__("gptq", module, shape, quant.group_size or shape[1], quant.desc_act)
-        self.kind = f"int{quant.bits}"
+        self.kind, self.scale_dtype = f"int{quant.bits}", scales.dtype
+        self.zero_point = 1 << (quant.bits - 1) if quant.sym else None
         if scales.shape != (self.num_groups, shape[0]) and not self.act_order:
             raise CheckpointError(f"GPTQ weight {module!r}: scales {scales.shape}, expected {(self.num_groups, shape[0])} "
                              f"for group_size {self.group_size} (check quantization_config.group_size)")
@@ -168,6 +171,7 @@ class AWQTensor(PackedTensor):
         qweight = self._t["qweight"]
         shape = (qweight.shape[1] * 8, qweight.shape[0])
         super().__init__("awq", module, shape, quant.group_size or shape[1], False)
+        self.scale_dtype = self._t["scales"].dtype
         if self._t["scales"].shape != (self.num_groups, shape[0]):
             raise CheckpointError(f"AWQ weight {module!r}: scales {self._t['scales'].shape}, expected "
                              f"{(self.num_groups, shape[0])} for group_size {self.group_size}")
@@ -221,9 +225,10 @@ class CompressedTensor(PackedTensor):
             self.block_rows = -(-out // self._scale.shape[0])
         group = -(-inp // scale_cols)
         super().__init__("compressed-tensors", module, (out, inp), group, self._gidx is not None)
-        self.kind = kind
+        self.kind, self.scale_dtype = kind, self._scale.dtype
         self.num_groups = scale_cols
         self.offset = 0 if kind == "fp8" else 1 << (self.bits - 1)
+        self.zero_point = self.offset if self._zero is None and kind != "fp8" else None
 
     def values(self, o, i):
         if self._packed is None:
@@ -282,7 +287,7 @@ class FP8Tensor(CompressedTensor):
             raise CheckpointError(f"FP8 weight {module!r}: {scale_name.rsplit('.', 1)[-1]} {self._scale.shape}, expected "
                              f"{expect} for weight_block_size {list(quant.block)}")
         PackedTensor.__init__(self, "fp8", module, (out, inp), bi, False)
-        self.kind, self.offset = "fp8", 0
+        self.kind, self.offset, self.scale_dtype = "fp8", 0, self._scale.dtype
         self.block_rows = bo if quant.block else 1
         self.num_groups = expect[1] if expect else 1
 

@@ -53,6 +53,7 @@ class CheckpointQuant:
     block: tuple[int, int] | None = None
     scheme: str = ""
     group_size: int | None = None          # GPTQ / AWQ: inputs per scale (-1 in config.json: None, a whole row)
+    sym: bool = False                      # GPTQ: one zero point, 2^(bits - 1)
 
 
 def _refuse(method: str, scheme: str, field: str, value: Any, supported: str) -> QuantConfigError:
@@ -101,7 +102,7 @@ def _gptq(qc: dict) -> CheckpointQuant:
         raise _refuse("gptq", scheme, "dynamic", qc["dynamic"], "one scheme for every layer (no per-module overrides)")
     return CheckpointQuant("gptq", bits, 1 if fmt == "gptq" else 0, bool(qc.get("desc_act")), None,
                            scheme + (", act order" if qc.get("desc_act") else ""),
-                           _group_size("gptq", scheme, qc.get("group_size", 128)))
+                           _group_size("gptq", scheme, qc.get("group_size", 128)), bool(qc.get("sym", True)))
 
 
 def _awq(qc: dict) -> CheckpointQuant:

@@ -224,6 +224,33 @@ class Bfloat16(LinearMethod):
         return jnp.take(layer.weight(), ids, axis=0).astype(layer.param_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Stored16(LinearMethod):
+    """A vocab table (embedding, LM head) held in the 16-bit float dtype its checkpoint stores (float16 or
+    bfloat16), each tile of rows cast to the run's dtype inside the dot: the numbers of loading it as float,
+    in half of float32's bytes (a quantized checkpoint's float tables, layers/quantization.py `PackedConfig`)."""
+    dtype: str = "bfloat16"
+    name: ClassVar[str] = "stored16"
+    kinds: ClassVar[tuple[str, ...]] = (EMBEDDING,)
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        return ("",)
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype} table"
+
+    def params(self, weight, name, shape, dtype):
+        return {"": WeightParam(weight, tuple(shape), jnp.dtype(self.dtype))}
+
+    def apply(self, layer, x):
+        return tiled_matmul(x, [layer.weight()], lambda w: w.astype(layer.param_dtype), layer.param_dtype)
+
+    def embed(self, layer, ids):
+        return jnp.take(layer.weight(), ids, axis=0).astype(layer.param_dtype)
+
+
 def local_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x[..., D] @ W[D, F] -> [..., F] in the kernel's dtype."""
     return jnp.einsum("...d,df->...f", x.astype(kernel.dtype), kernel)

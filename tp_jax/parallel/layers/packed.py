@@ -6,8 +6,9 @@ block is rebuilt from them in one layout, whatever the format, [out, ...] like t
 
     <weight>         uint8 [out, in/2] (4-bit: input 2j in the low nibble, 2j + 1 in the high one),
                      uint8 [out, in] (8-bit) or float8_e4m3fn [out, in] (FP8)
-    <weight>_scale   float32 [out, in / L]: one column per run of L inputs of the rank's block
-    <weight>_zero    uint8, the same shape (not for FP8)
+    <weight>_scale   [out, in / L] in the checkpoint scales' dtype: one column per run of L inputs of the block
+    <weight>_zero    uint8, the same shape (not for FP8, nor for a symmetric scheme: its one zero point is
+                     the method's `zero`, e.g. 8 for 4-bit, checked against any stored zero points)
 
     w[o, i] = (q[o, i] - zero[o, i // L]) * scale[o, i // L]        (FP8: q[o, i] * scale[o, i // L])
 
@@ -58,6 +59,8 @@ class PackedWeight(LinearMethod):
     local_group: int
     dot: str = "float32"
     groups: int = 0               # act order: the groups every rank's `_scale` holds (and one of zeros)
+    scale_dtype: str = "float32"  # as the checkpoint stores its scales (float16, bfloat16: exact in float32)
+    zero: int = -1                # a symmetric scheme's one zero point (no `_zero` param); -1: zeros per group
     name: ClassVar[str] = "packed"
     kinds: ClassVar[tuple[str, ...]] = (LINEAR,)
 
@@ -72,7 +75,8 @@ class PackedWeight(LinearMethod):
 
     @property
     def suffixes(self) -> tuple[str, ...]:
-        return ("", "_scale") + (() if self.kind == "fp8" else ("_zero",)) + (("_group",) if self.act_order else ())
+        zeros = () if self.kind == "fp8" or self.zero >= 0 else ("_zero",)
+        return ("", "_scale") + zeros + (("_group",) if self.act_order else ())
 
     @property
     def label(self) -> str:
@@ -104,8 +108,8 @@ class PackedWeight(LinearMethod):
             params["_group"] = WeightParam(derived("_group", 1 if split == 1 else None), (1, inp), np.dtype(np.int32))
         else:
             scale_shape, scale_dim = (out, inp // self.local_group), split
-        params["_scale"] = WeightParam(derived("_scale", scale_dim), scale_shape, np.dtype(np.float32))
-        if self.kind != "fp8":
+        params["_scale"] = WeightParam(derived("_scale", scale_dim), scale_shape, jnp.dtype(self.scale_dtype))
+        if "_zero" in self.suffixes:
             params["_zero"] = WeightParam(derived("_zero", scale_dim), scale_shape, np.dtype(np.uint8))
         return params
 
@@ -115,6 +119,9 @@ class PackedWeight(LinearMethod):
             q = jnp.stack([values & 0x0F, values >> 4], axis=-1).reshape(values.shape[0], -1).astype(jnp.float32)
         else:
             q = values.astype(jnp.float32)
+        scale = scale.astype(jnp.float32)
+        if zero is None and self.zero >= 0:
+            q = q - float(self.zero)
         if group is not None:
             s = jnp.take(scale, group, axis=1)
             return q * s if zero is None else (q - jnp.take(zero, group, axis=1).astype(jnp.float32)) * s
@@ -260,13 +267,17 @@ def for_layer(quant_type: str, weight: ShardedParam, tensors: Mapping[str, objec
         raise QuantizationError(f"the tensors of one param mix {sorted(kinds)} values ({label}); a param stacks "
                                 f"every layer and fuses q/k/v or gate/up, so it holds one kind")
     kind = kinds.pop()
+    dtypes = {np.dtype(t.scale_dtype).name for t in ts}
+    scale_dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
+    zeros = {t.zero_point for t in ts}
+    zero = zeros.pop() if len(zeros) == 1 and None not in zeros else -1
     if any(t.act_order for t in ts) and not columns:
         raise QuantizationError("act-order (g_idx) experts are not kept packed; load with quantization=None")
     if any(t.act_order for t in ts):
         counts = {t.num_groups for t in ts}
         if len(counts) > 1:
             raise QuantizationError(f"act-order tensors of one param hold different group counts {sorted(counts)}")
-        return PackedWeight(quant_type, kind, 0, dot, counts.pop())
+        return PackedWeight(quant_type, kind, 0, dot, counts.pop(), scale_dtype, zero)
     sizes = {t.group_size for t in ts}
     run = math.gcd(*sizes)
     if weight.split == 1:
@@ -277,8 +288,8 @@ def for_layer(quant_type: str, weight: ShardedParam, tensors: Mapping[str, objec
     else:
         run = math.gcd(run, *(p.hf_shape[1] for p in weight.parts.values()))
     if run < min(MIN_RUN, *sizes) or (weight.split == 1 and len(sizes) > 1):
-        return PackedWeight(quant_type, kind, 0, dot, max(t.num_groups for t in ts))
-    return PackedWeight(quant_type, kind, run, dot)
+        return PackedWeight(quant_type, kind, 0, dot, max(t.num_groups for t in ts), scale_dtype, zero)
+    return PackedWeight(quant_type, kind, run, dot, 0, scale_dtype, zero)
 
 
 def _run_length(rows: np.ndarray, group: int) -> int:
@@ -339,13 +350,19 @@ def _field(method: PackedWeight, t, field: str, o: np.ndarray, i: np.ndarray) ->
     o_sl, i_sl = _bounds(o), _bounds(i)
     cols = _take(t.groups(i_sl), i, i_sl.start, 0)                    # each column's group, -1: padding
     if field == "":
+        if method.zero >= 0:
+            stored = t.zeros(o_sl)
+            if stored is not None and (stored != method.zero).any():
+                raise QuantizationError(f"{t!r} is symmetric (one zero point, {method.zero}) by its config, but its "
+                                        f"stored zero points hold {sorted(set(np.unique(stored)) - {method.zero})[:4]}; "
+                                        f"correct quantization_config.sym, or load with quantization=None")
         q = _take(_take(t.values(o_sl, i_sl), o, o_sl.start, 0), i, i_sl.start, 1)
         if method.kind == "int4":
             q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
         return q
     if field == "_group":
         return np.where(cols >= 0, cols, t.num_groups).astype(np.int32)[None, :]
-    per_group = t.scales(o_sl) if field == "_scale" else t.zeros(o_sl)
+    per_group = t.scales(o_sl).astype(method.scale_dtype) if field == "_scale" else t.zeros(o_sl)
     per_group = _take(per_group, o, o_sl.start, 0)
     if method.act_order:
         return np.concatenate([per_group, np.zeros((len(o), 1), per_group.dtype)], axis=1)

@@ -20,6 +20,8 @@ import functools
 from collections.abc import Mapping
 from typing import ClassVar
 
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tp_jax.parallel.layers import packed
@@ -27,7 +29,7 @@ from tp_jax.parallel.layers.by_rows import ByRows
 from tp_jax.parallel.layers.ggml import KEPT, GGUFBlocks
 from tp_jax.parallel.layers.int8 import Int8
 from tp_jax.parallel.layers.loading import LazyTensor
-from tp_jax.parallel.layers.method import EXPERTS, LINEAR, Bfloat16, LinearMethod, QuantizationError
+from tp_jax.parallel.layers.method import EMBEDDING, EXPERTS, LINEAR, Bfloat16, Stored16, LinearMethod, QuantizationError
 
 FLOAT_TYPES = ("F32", "F16", "BF16")          # GGUF tensor types that load as float
 PACKED_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")   # published formats (models/quant_config.py)
@@ -156,13 +158,18 @@ class GGUFBf16Config(GGUFConfig):
 class PackedConfig(QuantizationConfig):
     """`PackedWeight` (layers/packed.py) for the linear layers of a GPTQ / AWQ / FP8 / compressed-tensors
     checkpoint (the loader's `PackedTensor`s) and `PackedExperts` for its stacked MoE experts; its float
-    tensors (an unquantized LM head, the router, norms) stay float. `name` is vLLM's method name, which must be the
+    tensors stay float: the vocab tables in the 16 bits they are stored in (`Stored16`), the router and norms
+    in the run's dtype. `name` is vLLM's method name, which must be the
     checkpoint's; "<method>_bf16" dots in bf16."""
     name: ClassVar[str] = "?"
     method: ClassVar[str] = "?"
     dot: ClassVar[str] = "float32"
 
     def method_for(self, layer, tensors):
+        if layer.weight_kind == EMBEDDING:                         # float tables: kept in their stored 16 bits
+            stored = {getattr(t, "stored_dtype", None) for t in tensors.values()}
+            half = stored.pop() if len(stored) == 1 else None
+            return Stored16(np.dtype(half).name) if half in (np.float16, jnp.bfloat16) else None
         if layer.weight_kind not in (LINEAR, EXPERTS):
             return None
         types = {n: getattr(t, "quant_type", None) for n, t in tensors.items()}

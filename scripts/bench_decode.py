@@ -2,6 +2,7 @@
 
     python scripts/bench_decode.py [--batch 1 8] [--tokens 64] [--dp 1 --pp 1 --tp 1] [--simulate-devices N]
                                    [--quantization none int8 auto] [--layers auto scan switch]
+                                   [--formats gptq4 awq4 ct_w4a16 ct_w8a8 fp8_block ...]
 
 Decode time is T(N tokens) - T(1 token), for both engines, so prefill and compile are out.
 Roofline: bytes of weights read per decode step / the machine's measured read bandwidth.
@@ -14,6 +15,11 @@ Every combination of `--quantization` (auto / none / bf16 / int8 / w8a8 / w8a8x2
 and `--layers` (`LLM(layer_loop=...)`: auto, scan, switch) is loaded in turn and
 measured in the same run, side by side ("results": one entry each, with the bytes of weights per device and
 the greedy tokens' agreement with the first entry).
+
+`--formats`: the model's float32 copy and that copy quantized into published formats (GPTQ, AWQ, FP8,
+compressed-tensors; the test tools' writers, round to nearest), each loaded as a user would ("auto": its
+packed weights kept, bf16 dots on CPU) in the same run ("formats": tokens/s, `over_float32_copy`, bytes
+per device, and the perplexity of a fixed text under the default and under `dtype="float32"`).
 
 transformers runs in float32 and in bfloat16 (`--hf-dtypes`); `speedup_over_transformers` is
 against its faster dtype at that batch ("transformers_best"). When `llama_cpp`
@@ -50,6 +56,11 @@ def parse_args():
     ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("--quantization", nargs="+", default=["auto"], help="auto, none, int8, gguf (several: side "
                     "by side in one run)")
+    ap.add_argument("--formats", nargs="*", default=[], help="published quantized formats (keys of "
+                    "tests/quantized_checkpoints.py FORMATS: gptq4, awq4, ct_w4a16, fp8_block, ...): the model's "
+                    "float32 copy and that copy quantized into each format (round to nearest), each loaded with "
+                    "quantization auto and measured in this run, with the perplexity of a fixed text under the "
+                    "default and under dtype float32")
     return ap.parse_args()
 
 
@@ -177,19 +188,61 @@ def cpu_description() -> dict:
     return {"model": name, "flags": simd, "cores": os.cpu_count()}
 
 
-def measure(args, quantization: str, layers: str, bandwidth: float, hf, first_tokens: dict) -> dict:
-    """One load's rows: every batch size (the LLM is dropped before the next load)."""
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+        "metal type, oil-based ink and a wooden press adapted from those used to make wine. Within fifty years "
+        "printing shops had opened in more than two hundred cities across Europe, and the price of books fell so "
+        "far that ordinary merchants could own them.")
+
+
+def perplexity(llm) -> float:
+    """exp(mean next-token NLL) of TEXT under `llm` (its logits, float64 softmax)."""
+    import numpy as np
+    ids = np.array([llm.get_tokenizer().encode(TEXT)])
+    logits = np.asarray(llm.get_logits(ids), np.float64)[0, :-1]
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return float(np.exp(-logp[np.arange(len(logp)), ids[0, 1:]].mean()))
+
+
+def quantized_copies(path: str, formats: list[str]) -> dict[str, str]:
+    """{"float32": the model's float32 HF copy, fmt: that copy quantized into fmt} in a temporary directory."""
+    import sys
+    import tempfile
+    from tp_jax.loaders.convert import convert_gguf
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from tests.quantized_checkpoints import quantize_dir
+    root = tempfile.mkdtemp(prefix="tp_jax_formats_")
+    copies = {"float32": os.path.join(root, "float32")}
+    if path.endswith(".gguf"):
+        convert_gguf(path, copies["float32"], "float32")
+    else:
+        copies["float32"] = path
+    for fmt in formats:
+        copies[fmt] = quantize_dir(copies["float32"], os.path.join(root, fmt), fmt)
+    return copies
+
+
+def measure(args, quantization: str, layers: str, bandwidth: float, hf, first_tokens: dict,
+            model: str | None = None, label: str | None = None) -> dict:
+    """One load's rows: every batch size (the LLM is dropped before the next load). `model`: another
+    checkpoint than --model (a format's copy, `label`), with its perplexity under the default and float32."""
     import jax
     from flax import nnx
     from tp_jax import LLM
     from tp_jax.loaders.model import param_bytes_per_device
     from tp_jax.parallel.pipeline import bubble_fraction
-    llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp,
-              pipeline_parallel_size=args.pp, num_microbatches=args.num_microbatches, progress=False,
-              quantization=quantization, layer_loop=layers)
+    kw = dict(tensor_parallel_size=args.tp, data_parallel_size=args.dp, pipeline_parallel_size=args.pp,
+              num_microbatches=args.num_microbatches, progress=False, layer_loop=layers)
+    llm = LLM(model or args.model, quantization=quantization, **kw)
     ids = llm.get_tokenizer().encode(args.prompt)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model, nnx.Param)))
-    out = {"quantization": quantization, "weights": llm.quantization, "layers": llm.layer_loop,
+    out = {} if label is None else {"format": label, "perplexity": round(perplexity(llm), 4)}
+    if label is not None and label != "float32":
+        exact = LLM(model, quantization=quantization, dtype="float32", **kw)
+        out.update(perplexity_float32=round(perplexity(exact), 4), float32_weights=exact.quantization)
+        out["perplexity_over_float32"] = round(out["perplexity"] / out["perplexity_float32"], 5)
+        del exact
+    out |= {"quantization": quantization, "weights": llm.quantization, "layers": llm.layer_loop,
            "dtype": jax.numpy.dtype(llm.dtype).name,
            "weight_bytes": weight_bytes,
            "weight_bytes_per_device": param_bytes_per_device(llm.model, llm.mesh)}
@@ -251,6 +304,15 @@ def main():
     first_tokens: dict = {}
     result["results"] = [measure(args, q, layers, bandwidth, hf, first_tokens)
                          for q in args.quantization for layers in args.layers]
+    if args.formats:
+        copies = quantized_copies(path, args.formats)
+        result["formats"] = [measure(args, "auto", layers, bandwidth, hf, first_tokens, model=copy, label=fmt)
+                             for fmt, copy in copies.items() for layers in args.layers]
+        floats = {r["layers"]: r for r in result["formats"] if r["format"] == "float32"}
+        for r in result["formats"]:
+            for b in args.batch:
+                base = floats[r["layers"]][f"batch{b}"]["tp_jax_tokens_per_s"]
+                r[f"batch{b}"]["over_float32_copy"] = round(r[f"batch{b}"]["tp_jax_tokens_per_s"] / base, 3)
     print(json.dumps(result))
 
 

@@ -181,7 +181,6 @@ def write_quantized(root: str, fmt: str, seed: int = 0, config=None) -> tuple[st
     as per-expert tensors, as published checkpoints hold them); each decoder linear weight is then quantized
     and replaced in the twin by its dequantized values."""
     import torch
-    from safetensors.numpy import load_file, save_file
     from transformers import AutoModelForCausalLM, LlamaConfig
     from tests.tiny_models import randomize
     path, twin = os.path.join(root, fmt), os.path.join(root, fmt + "_dequantized")
@@ -190,7 +189,17 @@ def write_quantized(root: str, fmt: str, seed: int = 0, config=None) -> tuple[st
     torch.manual_seed(seed)
     cfg = config or LlamaConfig(**BASE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     randomize(AutoModelForCausalLM.from_config(cfg).eval()).save_pretrained(twin, safe_serialization=True)
-    floats = load_file(os.path.join(twin, "model.safetensors"))
+    quantize_dir(twin, path, fmt, seed, dequantized=twin)
+    return path, twin
+
+
+def quantize_dir(src: str, dst: str, fmt: str, seed: int = 0, dequantized: str | None = None) -> str:
+    """A float Hugging Face checkpoint directory `src` (one model.safetensors) quantized as `fmt` into `dst`
+    (config.json with its quantization_config, the other files copied: tokenizer, generation config);
+    `dequantized`: a directory to write the dequantized float weights to (may be `src`)."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    floats = load_file(os.path.join(src, "model.safetensors"))
     writer, kw = FORMATS[fmt]
     shared_input = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
     tensors, twin_tensors = {}, {}
@@ -205,12 +214,17 @@ def write_quantized(root: str, fmt: str, seed: int = 0, config=None) -> tuple[st
         stored, deq = WRITERS[writer](w.astype(np.float32), rng=rng, **kw)
         tensors.update({f"{module}.{k}": np.ascontiguousarray(v) for k, v in stored.items()})
         twin_tensors[name] = deq.astype(np.float32)
-    save_file(twin_tensors, os.path.join(twin, "model.safetensors"), metadata={"format": "pt"})
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(twin, "config.json")) as f:
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if f not in ("model.safetensors", "config.json") and os.path.isfile(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), dst)
+    if dequantized is not None:
+        os.makedirs(dequantized, exist_ok=True)
+        save_file(twin_tensors, os.path.join(dequantized, "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
         hf = json.load(f)
     hf["quantization_config"] = quantization_config(fmt)
-    with open(os.path.join(path, "config.json"), "w") as f:
+    with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(hf, f, indent=1)
-    return path, twin
+    return dst

@@ -39,8 +39,8 @@ def test_fp8_example_matches_transformers_on_its_weights(fp8, tmp_path):
     ref, ref_float = hf_logits(ref_dir, ids), hf_logits(path, ids)
     gap = float(np.abs(ref - ref_float).max())
     for tp, dp in [(1, 1), (3, 2), (8, 1)]:
-        llm = LLM(path, tensor_parallel_size=tp, data_parallel_size=dp, quantization="fp8", progress=False)
-        assert llm.quantization == "fp8"
+        llm = LLM(path, tensor_parallel_size=tp, data_parallel_size=dp, quantization="fp8_weights", progress=False)
+        assert llm.quantization == "fp8_weights"
         err = float(np.abs(llm.get_logits(ids) - ref).max())
         assert err <= 1e-4 and err * 50 < gap, f"tp={tp}: {err:.2e} (float gap {gap:.2e})"
 

@@ -4,7 +4,9 @@ The checkpoint tensors are `PackedTensor`s (tp_jax/loaders/packed.py): integer v
 unsigned) or FP8 values, a scale and a zero point per group of inputs, and each input's group. One rank's
 block is rebuilt from them in one layout, whatever the format, [out, ...] like the checkpoint weight:
 
-    <weight>         uint8 [out, in/2] (4-bit: input 2j in the low nibble, 2j + 1 in the high one),
+    <weight>         uint8 [out, in/2] (4-bit: byte j of each run of L inputs holds input j in its low
+                     nibble and input j + L/2 in its high one, so the dot splits x, never the weight;
+                     act order: inputs 2j and 2j + 1),
                      uint8 [out, in] (8-bit) or float8_e4m3fn [out, in] (FP8)
     <weight>_scale   [out, in / L] in the checkpoint scales' dtype: one column per run of L inputs of the block
     <weight>_zero    uint8, the same shape (not for FP8, nor for a symmetric scheme: its one zero point is
@@ -42,8 +44,10 @@ import numpy as np
 import jax
 
 from tp_jax.parallel.layers.loading import ExpertParam, ShardedParam, check_shape
+from tp_jax.parallel.invariant import row_tiled
 from tp_jax.parallel.layers.method import (EXPERTS, LINEAR, DerivedParam, LinearMethod, QuantizationError,
-                                           UnsupportedLayerError, WeightParam, describe_layer, out_in, tiled_matmul)
+                                           UnsupportedLayerError, WeightParam, describe_layer, map_tiles, num_tiles,
+                                           out_in, tiled_matmul)
 from tp_jax.parallel.mesh import TP
 
 KINDS = ("int4", "int8", "fp8")
@@ -113,9 +117,17 @@ class PackedWeight(LinearMethod):
             params["_zero"] = WeightParam(derived("_zero", scale_dim), scale_shape, np.dtype(np.uint8))
         return params
 
+    @property
+    def split_nibbles(self) -> bool:
+        """4-bit values laid out by runs: byte j of a run of L holds inputs j (low) and j + L/2 (high)."""
+        return self.kind == "int4" and not self.act_order
+
     def dequantize(self, values, scale, zero=None, group=None):
         """float32 [f, in] from a tile's params (`group`: the act-order columns' groups, [in])."""
-        if self.kind == "int4":
+        if self.split_nibbles:
+            v = values.reshape(values.shape[0], -1, self.local_group // 2)
+            q = jnp.concatenate([v & 0x0F, v >> 4], axis=-1).reshape(values.shape[0], -1).astype(jnp.float32)
+        elif self.kind == "int4":
             q = jnp.stack([values & 0x0F, values >> 4], axis=-1).reshape(values.shape[0], -1).astype(jnp.float32)
         else:
             q = values.astype(jnp.float32)
@@ -134,9 +146,25 @@ class PackedWeight(LinearMethod):
         arrays = [layer.weight(s) for s in self.suffixes if s != "_group"]
         group = layer.weight("_group")[0] if self.act_order else None
         dequantize = lambda *parts: self.dequantize(*parts, group=group)                # noqa: E731
+        if self.split_nibbles:
+            dtype = layer.param_dtype if self.dot == "float32" else jnp.bfloat16
+            return self._halves_matmul(x, arrays, dtype)
         if self.dot == "float32":
             return tiled_matmul(x, arrays, dequantize, layer.param_dtype)
         return tiled_matmul(x, arrays, dequantize, jnp.bfloat16, accumulate=jnp.float32)
+
+    def _halves_matmul(self, x, arrays, dtype):
+        """x[..., in] @ W^T for split-nibble 4-bit values: x's halves of each run rearranged (a few KB), not the
+        weight; one tile of output rows at a time, batch-invariant (`row_tiled`); float32 accumulation."""
+        out, inp, h = arrays[0].shape[0], x.shape[-1], self.local_group // 2
+        n = num_tiles(out, inp * jnp.dtype(dtype).itemsize)
+
+        def rows(xs):
+            runs = xs.reshape(xs.shape[0], -1, 2, h)
+            x_lo, x_hi = runs[:, :, 0].reshape(xs.shape[0], -1), runs[:, :, 1].reshape(xs.shape[0], -1)
+            return map_tiles(_nibble_tile(self, x_lo, x_hi, dtype), arrays, n)
+        y = row_tiled(rows, x.reshape(-1, inp).astype(dtype))
+        return y.astype(jnp.float32).reshape(*x.shape[:-1], out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +216,22 @@ class PackedExperts(LinearMethod):
         else:
             w = jax.vmap(lambda *a: method.dequantize(*a[:-1], group=a[-1][0]))(*flat, group.reshape(-1, 1, group.shape[-1]))
         return jnp.swapaxes(w.reshape(*lead, *w.shape[-2:]), -1, -2).astype(dtype)
+
+
+def _nibble_tile(method: PackedWeight, x_lo, x_hi, dtype):
+    """One tile's [M, f] from split-nibble values: the low nibbles times x's first halves of each run, the high
+    ones times its second halves (no interleave), each dequantized in float32 and cast to `dtype`."""
+    def tile(values, scale, zero=None):
+        f, h = values.shape[0], method.local_group // 2
+        v = values.reshape(f, -1, h)
+        s = scale.astype(jnp.float32)[..., None]
+        z = float(max(method.zero, 0)) if zero is None else zero.astype(jnp.float32)[..., None]
+        y = 0.0
+        for xp, q in ((x_lo, v & 0x0F), (x_hi, v >> 4)):
+            w = ((q.astype(jnp.float32) - z) * s).astype(dtype).reshape(f, -1)
+            y = y + jnp.einsum("md,fd->mf", xp, w, preferred_element_type=jnp.float32)
+        return y
+    return tile
 
 
 def _local_shape(p: WeightParam, weight: ExpertParam) -> tuple[int, ...]:
@@ -287,7 +331,7 @@ def for_layer(quant_type: str, weight: ShardedParam, tensors: Mapping[str, objec
         run = math.gcd(run, *(t.shape[1] for t in ts))
     else:
         run = math.gcd(run, *(p.hf_shape[1] for p in weight.parts.values()))
-    if run < min(MIN_RUN, *sizes) or (weight.split == 1 and len(sizes) > 1):
+    if run < min(MIN_RUN, *sizes) or (weight.split == 1 and len(sizes) > 1) or (kind == "int4" and run % 2):
         return PackedWeight(quant_type, kind, 0, dot, max(t.num_groups for t in ts), scale_dtype, zero)
     return PackedWeight(quant_type, kind, run, dot, 0, scale_dtype, zero)
 
@@ -357,7 +401,10 @@ def _field(method: PackedWeight, t, field: str, o: np.ndarray, i: np.ndarray) ->
                                         f"stored zero points hold {sorted(set(np.unique(stored)) - {method.zero})[:4]}; "
                                         f"correct quantization_config.sym, or load with quantization=None")
         q = _take(_take(t.values(o_sl, i_sl), o, o_sl.start, 0), i, i_sl.start, 1)
-        if method.kind == "int4":
+        if method.split_nibbles:                 # byte j of a run of L: inputs j (low) and j + L/2 (high)
+            runs = q.reshape(q.shape[0], -1, 2, method.local_group // 2)
+            q = (runs[:, :, 0] | (runs[:, :, 1] << 4)).astype(np.uint8).reshape(q.shape[0], -1)
+        elif method.kind == "int4":
             q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
         return q
     if field == "_group":

@@ -283,3 +283,23 @@ def test_published_quantization_config_builds_at_tp8(name, tmp_path):
     print(f"{name} ({quant.scheme}): {len(plan)} packed params, {held / 2**30:.2f} GiB a device at tp 8 for a "
           f"{stored / 2**30:.2f} GiB checkpoint: {held / (stored / 8):.3f} x its bytes / 8")
     assert len(plan) >= 3 + ("Moe" not in cfg.architecture) and held <= 1.3 * stored / 8
+
+
+@pytest.mark.parametrize("fmt", ["gptq4_sym_actorder", "fp8_block"])
+def test_orbax_conversion_stays_packed(reference, root, fmt):
+    """convert_to_orbax keeps the stored words, scales and zero points (the copy loads packed, the same logits and
+    bytes); with a dtype it writes the dequantized float weights and drops quantization_config."""
+    from tp_jax.loaders.model import param_bytes_per_device
+    from tp_jax.loaders.orbax import convert_to_orbax
+    path, ids, logits, _ = reference(fmt)
+    packed, floats = os.path.join(root, f"{fmt}_orbax"), os.path.join(root, f"{fmt}_orbax_f32")
+    convert_to_orbax(path, packed)
+    convert_to_orbax(path, floats, dtype="float32")
+    a = check(reference(fmt), (1, 1, 2), greedy=False)
+    b = LLM(packed, dtype="float32", tensor_parallel_size=2, progress=False)
+    assert b.quantization == a.quantization and np.array_equal(b.get_logits(ids), a.get_logits(ids))
+    assert param_bytes_per_device(b.model, b.mesh) == param_bytes_per_device(a.model, a.mesh)
+    c = LLM(floats, dtype="float32", tensor_parallel_size=2, progress=False)
+    assert c.quantization == "none" and float(np.abs(c.get_logits(ids) - logits).max()) <= 2e-4
+    with open(os.path.join(floats, "config.json")) as f:
+        assert "quantization_config" not in json.load(f)

@@ -31,6 +31,7 @@ flight, so memory stays near one tensor whatever the model size.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -41,6 +42,7 @@ from tp_jax.loaders.dtypes import BY_NAME, FLOATS
 from tp_jax.loaders.model import tensor_split_dims
 from tp_jax.loaders.orbax_source import (ORBAX_SUBDIR, OrbaxCheckpointError, OrbaxSource, OrbaxTensor,
                                          interrupted_orbax, is_orbax_dir)
+from tp_jax.loaders.packed import PackedSource, RawTensors
 from tp_jax.loaders.sources import open_checkpoint
 
 CHUNK = 64
@@ -171,8 +173,20 @@ def _dtype_of(t) -> np.dtype:
     return np.asarray(t[tuple(slice(0, 1) for _ in t.shape)]).dtype
 
 
+def drop_quantization_config(out_dir: str) -> None:
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def convert_to_orbax(src: str, out_dir: str, dtype: str | None = None, overwrite: bool = False) -> str:
     """`src` (HF directory, .gguf file, or Orbax directory) -> `out_dir` with config, tokenizer, orbax/.
+
+    A GPTQ / AWQ / FP8 / compressed-tensors checkpoint stays packed (its stored tensors and its
+    quantization_config, loaded as the safetensors are); with `dtype` it is written dequantized, as float.
 
     Returns the path of the Orbax checkpoint (`out_dir/orbax`).
     """
@@ -187,8 +201,14 @@ def convert_to_orbax(src: str, out_dir: str, dtype: str | None = None, overwrite
     _refuse_existing(ckpt)                              # before writing config or tokenizer files
     os.makedirs(out_dir, exist_ok=True)
     write_config_and_tokenizer(src, out_dir, dtype)
+    source = checkpoint.source
+    if isinstance(source, PackedSource):
+        if dtype is None:                   # kept packed: the stored words, scales and zero points as they are
+            source = RawTensors(source.source)
+        else:                               # converted to a float dtype: dequantized, and said so in config.json
+            drop_quantization_config(out_dir)
     try:
-        write_orbax(checkpoint.source, ckpt, dtype, tensor_split_dims(checkpoint.config))
+        write_orbax(source, ckpt, dtype, tensor_split_dims(checkpoint.config))
     except BaseException:                               # Ctrl-C or a failed write: leave no half checkpoint
         for left in interrupted_orbax(out_dir):
             shutil.rmtree(left, ignore_errors=True)

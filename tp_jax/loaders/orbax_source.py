@@ -92,6 +92,8 @@ class OrbaxSource:
             raise KeyError(f"tensor {name!r} is missing from the Orbax checkpoint {self.ckpt_dir!r}")
         return self._tensors[name]
 
+    raw = get          # a packed checkpoint's stored tensors (loaders/packed.py) read as they are
+
     def _open(self, name: str):
         """A tensorstore handle on `name` (opening reads only its zarr metadata)."""
         import orbax.checkpoint as ocp

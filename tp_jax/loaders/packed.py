@@ -36,12 +36,32 @@ from __future__ import annotations
 
 import numpy as np
 
+from tp_jax.loaders.dtypes import BY_NUMPY
 from tp_jax.loaders.safetensors import CheckpointError
 from tp_jax.models.quant_config import CheckpointQuant
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)              # packing position k holds column 8w + AWQ_ORDER[k]
 AWQ_POSITION = tuple(np.argsort(AWQ_ORDER))      # column j % 8 sits at position AWQ_POSITION[j % 8]
 ACTIVATION_PARTS = ("input_scale", "input_zero_point", "input_global_scale")
+
+
+def stored_code(t) -> str:
+    """A stored tensor's safetensors dtype code ("I32", "F8_E4M3", ...), from a safetensors or an Orbax tensor."""
+    return getattr(t, "file_dtype", None) or BY_NUMPY[np.dtype(t.dtype)].safetensors
+
+
+class RawTensors:
+    """A source's stored tensors as they are, whatever their dtype (what an Orbax conversion of a packed
+    checkpoint writes: its words, scales and zero points, so the copy stays packed)."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def keys(self) -> list[str]:
+        return self.source.keys()
+
+    def get(self, name: str):
+        return self.source.raw(name)
 
 
 def unpack(words: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
@@ -109,6 +129,8 @@ class PackedTensor:
 
     def __getitem__(self, index) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
+        if index == (Ellipsis,):
+            index = (slice(None), slice(None))
         if len(index) > 2 or not all(isinstance(s, slice) for s in index):
             raise IndexError(f"{self!r} takes [rows, cols] slices, not {index!r}")
         o, i = (*index, slice(None))[:2]
@@ -215,9 +237,10 @@ class CompressedTensor(PackedTensor):
             kind = f"int{bits}"
         else:
             out, inp = self._weight.shape
-            kind = "fp8" if self._weight.file_dtype.startswith("F8") else "int8"
-            if self._weight.file_dtype not in ("F8_E4M3", "I8"):
-                raise CheckpointError(f"compressed-tensors weight {module!r} is {self._weight.file_dtype}; "
+            code = stored_code(self._weight)
+            kind = "fp8" if code.startswith("F8") else "int8"
+            if code not in ("F8_E4M3", "I8"):
+                raise CheckpointError(f"compressed-tensors weight {module!r} is {code}; "
                                  f"expected int8 or float8_e4m3fn values")
         scale_cols = 1 if self._scale.shape in ((), (1,)) else self._scale.shape[-1]
         self.block_rows = 1
@@ -325,9 +348,9 @@ class PackedSource:
             return (GPTQTensor if q.method == "gptq" else AWQTensor)(source, module, q), STORED[q.method][1]
         has_scale = f"{module}.weight_scale" in names or f"{module}.weight_scale_inv" in names
         if q.method == "compressed-tensors" and (leaf == "weight_packed" or (
-                leaf == "weight" and has_scale and source.raw(f"{module}.weight").file_dtype in ("F8_E4M3", "I8"))):
+                leaf == "weight" and has_scale and stored_code(source.raw(f"{module}.weight")) in ("F8_E4M3", "I8"))):
             return CompressedTensor(source, module, q), CT_LEAVES
-        if q.method == "fp8" and leaf == "weight" and source.raw(f"{module}.weight").file_dtype == "F8_E4M3":
+        if q.method == "fp8" and leaf == "weight" and stored_code(source.raw(f"{module}.weight")) == "F8_E4M3":
             if not has_scale:
                 raise CheckpointError(f"FP8 weight {module}.weight has no weight_scale or weight_scale_inv")
             return FP8Tensor(source, module, q), FP8_LEAVES

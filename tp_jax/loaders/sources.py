@@ -1,7 +1,8 @@
 """The one checkpoint-source dispatcher: a path -> (tensor source, model config).
 
     a `.gguf` file (any case: `M.GGUF` too)       -> GGUFSource, config from its metadata
-    a directory with `orbax/` and config.json      -> OrbaxSource (scripts/convert.py --to orbax)
+    a directory with `orbax/` and config.json      -> OrbaxSource (scripts/convert.py --to orbax; PackedSource
+                                                      over it for a converted quantized checkpoint)
     a directory with *.safetensors and config.json -> SafetensorsSource (PackedSource over it for a
                                                       GPTQ / AWQ / FP8 / compressed-tensors checkpoint)
 
@@ -51,7 +52,7 @@ def open_checkpoint(path: str, *, config: bool = True) -> Checkpoint:
                                 f"(or orbax/) nor a .gguf file")
     if is_orbax_dir(path):
         cfg = load_config(path) if config else None
-        return Checkpoint(path, OrbaxSource(path), cfg)
+        return Checkpoint(path, packed_source(OrbaxSource(path), path), cfg)
     left = interrupted_orbax(path)
     if left:
         raise OrbaxCheckpointError(f"{path} holds no finished Orbax checkpoint, only {left}, left by an interrupted "
@@ -61,7 +62,7 @@ def open_checkpoint(path: str, *, config: bool = True) -> Checkpoint:
     return Checkpoint(path, packed_source(SafetensorsSource(path), path), cfg)
 
 
-def packed_source(source: SafetensorsSource, path: str):
+def packed_source(source, path: str):
     """`source`, or a `PackedSource` over it when config.json declares GPTQ / AWQ / FP8 / compressed-tensors."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):

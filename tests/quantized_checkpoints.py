@@ -26,7 +26,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=128,
@@ -40,9 +40,11 @@ FORMATS = {
     "awq4": ("awq", dict(group_size=32)),
     "ct_w4a16": ("ct_pack", dict(bits=4, group_size=32, sym=True)),
     "ct_w4a16_asym": ("ct_pack", dict(bits=4, group_size=32, sym=False)),
+    "ct_w4a16_actorder": ("ct_pack", dict(bits=4, group_size=32, sym=True, actorder=True)),
     "ct_w8a16": ("ct_pack", dict(bits=8, group_size=None, sym=True)),
     "ct_w8a8": ("ct_int8", {}),
     "ct_fp8_dynamic": ("ct_fp8", {}),
+    "ct_fp8_block": ("ct_fp8", dict(block=(32, 32))),
     "fp8_block": ("fp8", dict(block=(32, 32))),
     "fp8_tensor": ("fp8", dict(block=None)),
 }
@@ -104,10 +106,11 @@ def _awq(w, group_size, rng):
     return stored, dequantize(q, s, z, g)
 
 
-def _ct_pack(w, bits, group_size, sym, rng):
+def _ct_pack(w, bits, group_size, sym, rng, actorder=False):
     import torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    q, s, z, g = integer_quantize(w, bits, group_size or w.shape[1], sym)
+    perm = rng.permutation(w.shape[1]) if actorder else None
+    q, s, z, g = integer_quantize(w, bits, group_size or w.shape[1], sym, perm)
     off = 1 << (bits - 1)
     signed = lambda a: torch.tensor((a - off).astype(np.int8))            # noqa: E731  (the package's int8 form)
     stored = {"weight_packed": pack_to_int32(signed(q), bits).numpy(),
@@ -115,6 +118,8 @@ def _ct_pack(w, bits, group_size, sym, rng):
               "weight_shape": np.array(w.shape, np.int64)}
     if not sym:
         stored["weight_zero_point"] = pack_to_int32(signed(z), bits, packed_dim=0).numpy()
+    if actorder:
+        stored["weight_g_idx"] = g
     return stored, dequantize(q, s, z, g)
 
 
@@ -129,7 +134,10 @@ def _fp8_values(w, scale_of):
     return q, q.astype(np.float32) * s
 
 
-def _ct_fp8(w, rng):
+def _ct_fp8(w, rng, block=None):
+    if block is not None:                       # the block strategy: weight_scale [out / bo, in / bi]
+        stored, deq = _fp8(w, block, rng)
+        return {"weight": stored["weight"], "weight_scale": stored["weight_scale_inv"]}, deq
     s = np.abs(w).max(1, keepdims=True) / 448
     q, deq = _fp8_values(w, lambda _: s)
     return {"weight": q, "weight_scale": s.astype(np.float32)}, deq
@@ -163,9 +171,10 @@ def quantization_config(fmt: str) -> dict:
                 "weight_block_size": list(kw["block"]) if kw["block"] else None}
     weights = {"ct_pack": dict(num_bits=kw.get("bits"), type="int", symmetric=kw.get("sym"),
                                strategy="group" if kw.get("group_size") else "channel",
-                               group_size=kw.get("group_size")),
+                               group_size=kw.get("group_size"), actorder="group" if kw.get("actorder") else None),
                "ct_int8": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
-               "ct_fp8": dict(num_bits=8, type="float", symmetric=True, strategy="channel")}[writer]
+               "ct_fp8": dict(num_bits=8, type="float", symmetric=True, strategy="block" if kw.get("block") else
+                              "channel", block_structure=list(kw["block"]) if kw.get("block") else None)}[writer]
     acts = {"ct_int8": dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True),
             "ct_fp8": dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)}.get(writer)
     fmt_name = {"ct_pack": "pack-quantized", "ct_int8": "int-quantized", "ct_fp8": "float-quantized"}[writer]

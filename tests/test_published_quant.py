@@ -21,6 +21,7 @@ from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
 MESHES = [(1, 1, 2), (1, 1, 4), (1, 2, 2)]          # (dp, pp, tp) beside tp 1
+SEEDS = {"MixtralConfig": 3}                          # a seed whose greedy references are not degenerate
 IDS = np.random.default_rng(0).integers(0, 512, size=(3, 13))
 PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 30], [5, 17, 250, 42, 9], [99, 3]]   # < both vocabs
 
@@ -38,12 +39,14 @@ def reference(root):
     cache = {}
 
     def get(fmt: str, config=None, vocab: int = 512):
-        if (fmt, config is not None) not in cache:
-            path, twin = write_quantized(root if config is None else os.path.join(root, "moe"), fmt, config=config)
+        family = "llama" if config is None else type(config).__name__
+        if (fmt, family) not in cache:
+            path, twin = write_quantized(root if config is None else os.path.join(root, family), fmt,
+                                         seed=SEEDS.get(family, 0), config=config)
             model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
             ids = IDS % vocab
-            cache[fmt, config is not None] = (path, ids, *logits_and_greedy(model, ids, PROMPTS))
-        return cache[fmt, config is not None]
+            cache[fmt, family] = (path, ids, *logits_and_greedy(model, ids, PROMPTS))
+        return cache[fmt, family]
     return get
 
 
@@ -128,14 +131,24 @@ def qwen3_moe_config():
                           tie_word_embeddings=False, max_position_embeddings=128, rms_norm_eps=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "gptq4"])
-def test_moe_experts_kept_packed(reference, fmt):
-    """A tiny Qwen3-MoE with FP8-block (Qwen3-30B-A3B-FP8's layout) or GPTQ experts: the experts stay packed
-    (`PackedExperts`), exact in float32 with and without expert parallelism."""
+def mixtral_config():
+    from transformers import MixtralConfig
+    return MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                         num_experts_per_tok=2, architectures=["MixtralForCausalLM"], tie_word_embeddings=False,
+                         max_position_embeddings=128, rms_norm_eps=1e-5)
+
+
+@pytest.mark.parametrize("fmt,family", [("fp8_block", "qwen3_moe"), ("ct_w4a16_asym", "qwen3_moe"),
+                                        ("gptq4", "mixtral"), ("awq4", "mixtral")])
+def test_moe_experts_kept_packed(reference, fmt, family):
+    """Tiny Qwen3-MoE (FP8 blocks as Qwen3-30B-A3B-FP8 holds them, compressed-tensors) and Mixtral (GPTQ, AWQ)
+    checkpoints: the experts stay packed (`PackedExperts`), exact in float32 with and without expert parallelism."""
     from flax import nnx
     from tp_jax.parallel.layers import Experts
     from tp_jax.parallel.layers.packed import PackedExperts
-    ref = reference(fmt, config=qwen3_moe_config(), vocab=256)
+    config = qwen3_moe_config() if family == "qwen3_moe" else mixtral_config()
+    ref = reference(fmt, config=config, vocab=256)
     for mesh, ep in (((1, 1, 2), False), ((2, 1, 2), True), ((1, 2, 2), True)):
         llm = check(ref, mesh, greedy=mesh == (1, 1, 2), enable_expert_parallel=ep)
         experts = [n for _, n in nnx.iter_graph(llm.model) if isinstance(n, Experts)]

@@ -244,7 +244,7 @@ class CompressedTensor(PackedTensor):
                                  f"expected int8 or float8_e4m3fn values")
         scale_cols = 1 if self._scale.shape in ((), (1,)) else self._scale.shape[-1]
         self.block_rows = 1
-        if len(self._scale.shape) == 2 and self._scale.shape[0] not in (1, out):         # FP8 blocks
+        if len(self._scale.shape) == 2 and self._scale.shape[0] != out:                   # blocks of rows
             self.block_rows = -(-out // self._scale.shape[0])
         group = -(-inp // scale_cols)
         super().__init__("compressed-tensors", module, (out, inp), group, self._gidx is not None)

@@ -103,5 +103,5 @@ def _listing(problems: list[str], shown: int = 5) -> str:
 def describe_methods(model: nnx.Module) -> str:
     """How a loaded model holds its weights: "gguf Q4_1, gguf Q8_0", "int8", or "none" (all float)."""
     labels = {node.method.label for _, node in nnx.iter_graph(model)
-              if isinstance(node, MethodLayer) and not isinstance(node.method, Unquantized)}
+              if isinstance(node, (MethodLayer, Experts)) and not isinstance(node.method, Unquantized)}
     return ", ".join(sorted(labels)) or "none"

@@ -191,9 +191,6 @@ class PackedExperts(LinearMethod):
     def label(self) -> str:
         return self.methods[0][1].label
 
-    def check(self, layer, weight) -> None:
-        super().check(layer, weight)
-
     def expert_params(self, weight: ExpertParam, name: str, shape: tuple[int, ...]) -> dict[str, WeightParam]:
         """The stacked params of the float statement `weight` (kernels [S, in, out]): each of the 2-D method's
         params per expert, stacked."""

@@ -210,7 +210,7 @@ def quantize_dir(src: str, dst: str, fmt: str, seed: int = 0, dequantized: str |
     from safetensors.numpy import load_file, save_file
     floats = load_file(os.path.join(src, "model.safetensors"))
     writer, kw = FORMATS[fmt]
-    shared_input = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+    shared_input = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}
     tensors, twin_tensors = {}, {}
     for name, w in floats.items():
         module, leaf = name.rsplit(".", 1)

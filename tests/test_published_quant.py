@@ -140,9 +140,11 @@ def mixtral_config():
 
 
 @pytest.mark.parametrize("fmt,family", [("fp8_block", "qwen3_moe"), ("ct_w4a16_asym", "qwen3_moe"),
-                                        ("gptq4", "mixtral"), ("awq4", "mixtral")])
+                                        ("gptq4", "mixtral"), ("gptq4_sym_actorder", "mixtral"),
+                                        ("awq4", "mixtral")])
 def test_moe_experts_kept_packed(reference, fmt, family):
-    """Tiny Qwen3-MoE (FP8 blocks as Qwen3-30B-A3B-FP8 holds them, compressed-tensors) and Mixtral (GPTQ, AWQ)
+    """Tiny Qwen3-MoE (FP8 blocks as Qwen3-30B-A3B-FP8 holds them, compressed-tensors) and Mixtral (GPTQ, with
+    act order too, AWQ)
     checkpoints: the experts stay packed (`PackedExperts`), exact in float32 with and without expert parallelism."""
     from flax import nnx
     from tp_jax.parallel.layers import Experts
@@ -241,16 +243,19 @@ def abstract_source(model, table, cfg, quant, dtype):
     experts packed (as the published checkpoints hold them), everything else float in `dtype` (torch_dtype)."""
     from tp_jax.loaders.bind import bind
     from tp_jax.parallel.layers.method import EXPERTS, LINEAR
-    tensors = {}
+    shapes, packed_names = {}, set()
     for b in bind(model, table):
         kind = getattr(b.module, "weight_kind", None)
         packed = ((kind == LINEAR and b.name == b.module.weight_name) or kind == EXPERTS) and \
             not getattr(b.module, "keep_float", False)
         for layer in b.layers(cfg.num_layers):
-            for part, name in b.tensor_names(layer).items():
-                shape = b.decl.parts[part].hf_shape
-                tensors[name] = MetaPacked(quant, shape) if packed else MetaFloat(shape, dtype)
-    return tensors
+            for part, e in b.entries.items():
+                name, shape = e.name(layer), b.decl.parts[part].hf_shape
+                rows = (e.offset or 0) + shape[0]                 # a fused tensor (Phi-3's qkv): its parts' rows
+                shapes[name] = (max(rows, shapes.get(name, (0,))[0]), *shape[1:])
+                if packed:
+                    packed_names.add(name)
+    return {n: MetaPacked(quant, s) if n in packed_names else MetaFloat(s, dtype) for n, s in shapes.items()}
 
 
 class DictSource(dict):
@@ -261,18 +266,44 @@ class DictSource(dict):
         return self[name]
 
 
+def build_at_tp8(published: dict, name: str, directory) -> None:
+    """`published` (a config.json with a quantization_config) built abstractly at tp 8 with the method "auto"
+    picks on CPU over metadata-only tensors: the decoder's linear layers (and experts) packed, held in at most
+    1.3 x the checkpoint's bytes / 8 per device."""
+    import jax
+    import jax.numpy as jnp
+    from tp_jax.loaders.model import abstract_model, param_bytes_per_device
+    from tp_jax.loaders.quantize import plan_methods
+    from tp_jax.models.config import load_config
+    from tp_jax.models.quant_config import checkpoint_quant
+    from tp_jax.models.registry import architecture
+    from tp_jax.parallel.mesh import make_mesh
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(published, f)
+    cfg = load_config(str(directory))
+    quant = checkpoint_quant(published["quantization_config"])
+    mesh = make_mesh(tp=8, devices=jax.devices()[:8])
+    table = architecture(cfg.architecture).weights(cfg)
+    dtype = {"float16": np.float16, "bfloat16": jnp.bfloat16, "float32": np.float32}[
+        published.get("torch_dtype") or published.get("dtype") or "bfloat16"]
+    source = DictSource(abstract_source(abstract_model(cfg, mesh), table, cfg, quant, dtype))
+    plan = plan_methods(abstract_model(cfg, mesh), table, source, cfg.num_layers, quant.method + "_bf16")
+    model = abstract_model(cfg, mesh, methods=plan)
+    held = param_bytes_per_device(model, mesh)
+    stored = sum(t.stored_bytes for t in source.values())
+    print(f"{name} ({quant.scheme}): {len(plan)} packed params, {held / 2**30:.2f} GiB a device at tp 8 for a "
+          f"{stored / 2**30:.2f} GiB checkpoint: {held / (stored / 8):.3f} x its bytes / 8")
+    assert len([m for m in plan.values() if "packed" in type(m).__name__.lower()]) >= 3
+    assert held <= 1.3 * stored / 8
+
+
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_published_quantization_config_builds_at_tp8(name, tmp_path):
     """Each published config (tests/data/quant_configs/INDEX.md) is read, or refused naming its scheme (3-bit
     GPTQ); a read one builds at tp 8 with the method "auto" picks on CPU, every decoder linear layer (and expert)
     kept packed, in at most 1.3 x the checkpoint's bytes / 8 per device."""
-    import jax
-    from tp_jax.loaders.model import abstract_model, param_bytes_per_device
-    from tp_jax.loaders.quantize import plan_methods
     from tp_jax.models.config import UnsupportedConfigError, load_config
-    from tp_jax.models.quant_config import checkpoint_quant
-    from tp_jax.models.registry import architecture
-    from tp_jax.parallel.mesh import make_mesh
     with open(os.path.join(QUANT_CONFIGS, name + ".json")) as f:
         published = json.load(f)
     os.makedirs(tmp_path / "m")
@@ -282,20 +313,7 @@ def test_published_quantization_config_builds_at_tp8(name, tmp_path):
         with pytest.raises(UnsupportedConfigError, match=r"GPTQ checkpoint with 3-bit.*bits=3 is not supported"):
             load_config(str(tmp_path / "m"))
         return
-    cfg = load_config(str(tmp_path / "m"))
-    quant = checkpoint_quant(published["quantization_config"])
-    mesh = make_mesh(tp=8, devices=jax.devices()[:8])
-    table = architecture(cfg.architecture).weights(cfg)
-    import jax.numpy as jnp
-    dtype = {"float16": np.float16, "bfloat16": jnp.bfloat16}[published.get("torch_dtype") or published["dtype"]]
-    source = DictSource(abstract_source(abstract_model(cfg, mesh), table, cfg, quant, dtype))
-    plan = plan_methods(abstract_model(cfg, mesh), table, source, cfg.num_layers, quant.method + "_bf16")
-    model = abstract_model(cfg, mesh, methods=plan)
-    held = param_bytes_per_device(model, mesh)
-    stored = sum(t.stored_bytes for t in source.values())
-    print(f"{name} ({quant.scheme}): {len(plan)} packed params, {held / 2**30:.2f} GiB a device at tp 8 for a "
-          f"{stored / 2**30:.2f} GiB checkpoint: {held / (stored / 8):.3f} x its bytes / 8")
-    assert len(plan) >= 3 + ("Moe" not in cfg.architecture) and held <= 1.3 * stored / 8
+    build_at_tp8(published, name, tmp_path / "m")
 
 
 @pytest.mark.parametrize("fmt", ["gptq4_sym_actorder", "fp8_block"])
@@ -316,3 +334,25 @@ def test_orbax_conversion_stays_packed(reference, root, fmt):
     assert c.quantization == "none" and float(np.abs(c.get_logits(ids) - logits).max()) <= 2e-4
     with open(os.path.join(floats, "config.json")) as f:
         assert "quantization_config" not in json.load(f)
+
+
+# every architecture tp_jax runs (but GPT-2, whose Conv1D weights no format packs here) with a published block
+ARCHITECTURES = ["Llama-3.1-8B-Instruct", "Mistral-7B-Instruct-v0.3", "Qwen2.5-7B-Instruct", "Qwen3-8B",
+                 "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "gemma-2-9b", "gemma-3-1b-it", "gemma-3-4b-it",
+                 "Phi-3.5-mini-instruct", "OLMo-2-1124-7B-Instruct", "OLMoE-1B-7B-0924"]
+BLOCKS = ["MythoMax-L2-13B-GPTQ@gptq-8bit-128g-actorder_True", "TinyLlama-1.1B-Chat-v1.0-AWQ", "Qwen3-32B-FP8",
+          "Genz-70b-GPTQ"]
+
+
+@pytest.mark.parametrize("i,arch", list(enumerate(ARCHITECTURES)), ids=ARCHITECTURES)
+def test_published_blocks_on_every_architecture(i, arch, tmp_path):
+    """A published quantization_config block (GPTQ with act order, AWQ, FP8 blocks, in turn) on each
+    architecture's published config: read, planned and built at tp 8 within the bytes bound (Phi-3's fused
+    qkv and gate_up, Gemma 3's vision checkpoint, the MoE models' experts)."""
+    configs = os.path.join(os.path.dirname(__file__), "data", "configs")
+    with open(os.path.join(configs, arch + ".json")) as f:
+        published = json.load(f)
+    block = BLOCKS[i % len(BLOCKS)]
+    with open(os.path.join(QUANT_CONFIGS, block + ".json")) as f:
+        published["quantization_config"] = json.load(f)["quantization_config"]
+    build_at_tp8(published, f"{arch} + {block}'s block", tmp_path / "m")

@@ -325,10 +325,9 @@ def for_layer(quant_type: str, weight: ShardedParam, tensors: Mapping[str, objec
     scale_dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
     zeros = {t.zero_point for t in ts}
     zero = zeros.pop() if len(zeros) == 1 and None not in zeros else -1
-    if any(t.act_order for t in ts) and not columns:
-        raise QuantizationError("act-order (g_idx) experts are not kept packed; load with quantization=None")
     if any(t.act_order for t in ts):
-        counts = {t.num_groups for t in ts}
+        counts = {t.num_groups for t in ts} if columns else \
+            {-(-p.hf_shape[1] // t.group_size) for p in weight.parts.values() for t in ts}
         if len(counts) > 1:
             raise QuantizationError(f"act-order tensors of one param hold different group counts {sorted(counts)}")
         return PackedWeight(quant_type, kind, 0, dot, counts.pop(), scale_dtype, zero)

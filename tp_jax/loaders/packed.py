@@ -10,8 +10,8 @@ keeps it quantized (tp_jax/parallel/layers/packed.py) reads its fields instead, 
 time:
 
     values(o, i)  [o, i] uint8 integer values q, unsigned (4- or 8-bit), or float8_e4m3fn (FP8)
-    scales(o)     [o, G] float32, one column per group of inputs (G = 1: per row)
-    zeros(o)      [o, G] uint8 zero points z (None for FP8)
+    scales(o, g)  [o, g] float32, one column per group of inputs (G = 1: per row); `g` a slice of the groups
+    zeros(o, g)   [o, g] uint8 zero points z (None for FP8)
     groups(i)     [i] int32: the group of each input column (GPTQ act order: its `g_idx`)
 
 and w[o, i] = (q - z[o, g(i)]) * s[o, g(i)] in float32 (FP8: q * s[o, g(i)]). For 8-bit and smaller
@@ -113,10 +113,11 @@ class PackedTensor:
     def values(self, o: slice, i: slice) -> np.ndarray:
         raise NotImplementedError
 
-    def scales(self, o: slice) -> np.ndarray:
+    def scales(self, o: slice, g: slice = slice(None)) -> np.ndarray:
+        """[o, groups g] float32 (reads only those rows and groups)."""
         raise NotImplementedError
 
-    def zeros(self, o: slice) -> np.ndarray | None:
+    def zeros(self, o: slice, g: slice = slice(None)) -> np.ndarray | None:
         raise NotImplementedError
 
     def groups(self, i: slice) -> np.ndarray:
@@ -168,13 +169,13 @@ class GPTQTensor(PackedTensor):
         words, skip = _words(lo, hi, self.per)
         return unpack(self._t["qweight"][words, o], self.bits, 0)[skip:skip + hi - lo].T
 
-    def scales(self, o):
-        return np.asarray(self._t["scales"][:, o], np.float32).T
+    def scales(self, o, g=slice(None)):
+        return np.asarray(self._t["scales"][g, o], np.float32).T
 
-    def zeros(self, o):
+    def zeros(self, o, g=slice(None)):
         lo, hi = _range(o, self.shape[0])
         words, skip = _words(lo, hi, self.per)
-        z = unpack(self._t["qzeros"][:, words], self.bits, 1)[:, skip:skip + hi - lo]
+        z = unpack(self._t["qzeros"][g, words], self.bits, 1)[:, skip:skip + hi - lo]
         return (z.astype(np.int32) + self.offset).astype(np.uint8).T
 
     def groups(self, i):
@@ -206,11 +207,11 @@ class AWQTensor(PackedTensor):
     def values(self, o, i):
         return self._columns("qweight", i, o).T
 
-    def scales(self, o):
-        return np.asarray(self._t["scales"][:, o], np.float32).T
+    def scales(self, o, g=slice(None)):
+        return np.asarray(self._t["scales"][g, o], np.float32).T
 
-    def zeros(self, o):
-        return self._columns("qzeros", slice(None), o).T
+    def zeros(self, o, g=slice(None)):
+        return self._columns("qzeros", g, o).T
 
     def stored_bytes(self):
         return sum(int(np.prod(t.shape)) * t.dtype.itemsize for t in self._t.values())
@@ -262,26 +263,27 @@ class CompressedTensor(PackedTensor):
         words, skip = _words(lo, hi, per)
         return unpack(self._packed[o, words], self.bits, 1)[:, skip:skip + hi - lo]
 
-    def scales(self, o):
+    def scales(self, o, g=slice(None)):
         lo, hi = _range(o, self.shape[0])
         if self._scale.shape in ((), (1,)):
-            return np.full((hi - lo, 1), _scale_rows(self._scale).reshape(-1)[0], np.float32)
+            return np.full((hi - lo, 1), _scale_rows(self._scale).reshape(-1)[0], np.float32)[:, g]
         if self.block_rows > 1:
-            return np.asarray(self._scale[:], np.float32)[np.arange(lo, hi) // self.block_rows]
-        s = np.asarray(self._scale[o], np.float32)
-        return s.reshape(hi - lo, -1)
+            rows = slice(lo // self.block_rows, (hi - 1) // self.block_rows + 1)
+            blocks = np.asarray(self._scale[rows, g], np.float32)
+            return blocks[np.arange(lo, hi) // self.block_rows - rows.start]
+        return np.asarray(self._scale[o], np.float32).reshape(hi - lo, -1)[:, g]
 
-    def zeros(self, o):
+    def zeros(self, o, g=slice(None)):
         if self.kind == "fp8":
             return None
         lo, hi = _range(o, self.shape[0])
         if self._zero is None:
-            return np.full((hi - lo, self.num_groups), self.offset, np.uint8)
+            return np.full((hi - lo, self.num_groups), self.offset, np.uint8)[:, g]
         if self._packed is None:                                               # int8 [out, 1]
-            z = np.asarray(self._zero[o]).reshape(hi - lo, -1)
+            z = np.asarray(self._zero[o]).reshape(hi - lo, -1)[:, g]
             return (z.astype(np.int16) + self.offset).astype(np.uint8)
         words, skip = _words(lo, hi, 32 // self.bits)
-        return unpack(self._zero[words, :], self.bits, 0)[skip:skip + hi - lo]
+        return unpack(self._zero[words, g], self.bits, 0)[skip:skip + hi - lo]
 
     def groups(self, i):
         if self._gidx is None:

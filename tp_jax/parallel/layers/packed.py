@@ -420,13 +420,15 @@ def _field(method: PackedWeight, t, field: str, o: np.ndarray, i: np.ndarray) ->
         return q
     if field == "_group":
         return np.where(cols >= 0, cols, t.num_groups).astype(np.int32)[None, :]
-    per_group = t.scales(o_sl).astype(method.scale_dtype) if field == "_scale" else t.zeros(o_sl)
+    valid = cols[cols >= 0]                       # the groups this rank's columns read: only those are read
+    g_sl = slice(None) if method.act_order or not valid.size else slice(int(valid.min()), int(valid.max()) + 1)
+    per_group = t.scales(o_sl, g_sl).astype(method.scale_dtype) if field == "_scale" else t.zeros(o_sl, g_sl)
     per_group = _take(per_group, o, o_sl.start, 0)
     if method.act_order:
         return np.concatenate([per_group, np.zeros((len(o), 1), per_group.dtype)], axis=1)
-    runs = cols.reshape(-1, method.local_group)
+    runs = cols.reshape(-1, method.local_group) - (g_sl.start or 0)
     if (runs != runs[:, :1]).any():
         raise QuantizationError(f"{t!r}: its groups of {t.group_size} inputs do not fall in whole runs of "
                                 f"{method.local_group} columns on this rank (a param with another group size than "
                                 f"its layer's other params); load with quantization=None")
-    return _take(per_group, runs[:, 0], 0, 1)
+    return _take(per_group, np.where(cols.reshape(runs.shape)[:, 0] >= 0, runs[:, 0], -1), 0, 1)

@@ -124,11 +124,11 @@ class PackedRows:
     def values(self, o: slice, i: slice):
         return self.tensor.values(self._rows(o), i)
 
-    def scales(self, o: slice):
-        return self.tensor.scales(self._rows(o))
+    def scales(self, o: slice, g: slice = slice(None)):
+        return self.tensor.scales(self._rows(o), g)
 
-    def zeros(self, o: slice):
-        return self.tensor.zeros(self._rows(o))
+    def zeros(self, o: slice, g: slice = slice(None)):
+        return self.tensor.zeros(self._rows(o), g)
 
 
 class TensorView:

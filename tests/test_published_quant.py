@@ -21,7 +21,8 @@ from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
 MESHES = [(1, 1, 2), (1, 1, 4), (1, 2, 2)]          # (dp, pp, tp) beside tp 1
-SEEDS = {"MixtralConfig": 3}                          # a seed whose greedy references are not degenerate
+SEEDS = {"MixtralConfig": 3}
+GREEDY_ON_MESHES = ("gptq4_sym_actorder", "awq4", "ct_w8a8", "fp8_block")   # one per dot path (all: at tp 1)                          # a seed whose greedy references are not degenerate
 IDS = np.random.default_rng(0).integers(0, 512, size=(3, 13))
 PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 200, 30], [5, 17, 250, 42, 9], [99, 3]]   # < both vocabs
 
@@ -77,7 +78,7 @@ def test_float32_on_meshes(reference, fmt, mesh):
     """Each rank reads its slice of the packed words, scales, zero points and g_idx: column layers their output
     rows, row layers their input columns (tp 4 cuts o_proj's and down_proj's 32-input groups; GPTQ's act order
     gathers each rank's scales by g_idx)."""
-    check(reference(fmt), mesh, greedy=mesh == (1, 2, 2))
+    check(reference(fmt), mesh, greedy=mesh == (1, 2, 2) and fmt in GREEDY_ON_MESHES)
 
 
 def perplexity(logits: np.ndarray, ids: np.ndarray) -> float:

@@ -76,7 +76,8 @@ class LLM:
         if args.enable_expert_parallel and hasattr(self.config, "enable_expert_parallel"):
             self.config = dataclasses.replace(self.config, enable_expert_parallel=True)
         types, stored_bf16 = checkpoint_weight_facts(self.config, source, self.mesh)
-        fmt = "gguf" if is_gguf(self.model_path) else type(source).__name__.removesuffix("Source").lower()
+        stored = getattr(source, "source", source)                       # a PackedSource: the files under it
+        fmt = "gguf" if is_gguf(self.model_path) else type(stored).__name__.removesuffix("Source").lower()
         facts = CheckpointFacts(fmt, self.config.architecture, types, stored_bf16)
         self.setup: EngineSetup = resolve(args, Platform.of(self.mesh), facts, self.config.max_position_embeddings)
         setup = self.setup

@@ -124,10 +124,6 @@ class PackedTensor:
         lo, hi = _range(i, self.shape[1])
         return np.arange(lo, hi, dtype=np.int32) // self.group_size
 
-    def stored_bytes(self) -> int:
-        """Bytes of the checkpoint's tensors for this weight."""
-        raise NotImplementedError
-
     def __getitem__(self, index) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
         if index == (Ellipsis,):
@@ -183,10 +179,6 @@ class GPTQTensor(PackedTensor):
             return super().groups(i)
         return np.asarray(self._gidx[i], np.int32)
 
-    def stored_bytes(self):
-        extra = [self._gidx] if self._gidx is not None else []
-        return sum(int(np.prod(t.shape)) * t.dtype.itemsize for t in [*self._t.values(), *extra])
-
 
 class AWQTensor(PackedTensor):
     def __init__(self, source, module: str, quant: CheckpointQuant):
@@ -212,9 +204,6 @@ class AWQTensor(PackedTensor):
 
     def zeros(self, o, g=slice(None)):
         return self._columns("qzeros", g, o).T
-
-    def stored_bytes(self):
-        return sum(int(np.prod(t.shape)) * t.dtype.itemsize for t in self._t.values())
 
 
 class CompressedTensor(PackedTensor):
@@ -290,10 +279,6 @@ class CompressedTensor(PackedTensor):
             return super().groups(i)
         return np.asarray(self._gidx[i], np.int32)
 
-    def stored_bytes(self):
-        ts = [t for t in (self._packed, self._weight, self._scale, self._zero, self._gidx) if t is not None]
-        return sum(int(np.prod(t.shape)) * t.dtype.itemsize for t in ts)
-
 
 class FP8Tensor(CompressedTensor):
     """`quant_method: fp8` (transformers' and DeepSeek's layout): the weight in float8_e4m3fn with
@@ -367,5 +352,3 @@ class PackedSource:
     def get(self, name: str):
         return self._views[name] if name in self._views else self.source.get(name)
 
-    def views(self) -> dict[str, PackedTensor]:
-        return dict(self._views)

@@ -198,7 +198,7 @@ class PackedExperts(LinearMethod):
         flat = self.method(name).params(one, name, tuple(shape[1:]), None)
         return {suffix: WeightParam(ExpertPackedParam(weight.parts, weight.split, False, reads=name, expert=weight,
                                                       inner=p.decl, method=self.method(name), field=suffix,
-                                                      local_shape=_local_shape(p, weight)),
+                                                      local_shape=_local_shape(p, weight), dtype=p.dtype),
                                     (shape[0], *p.shape), p.dtype) for suffix, p in flat.items()}
 
     def expert_kernel(self, layer, name: str, slot: jax.Array | None, dtype) -> jax.Array:
@@ -262,6 +262,7 @@ class ExpertPackedParam(DerivedParam):
     method: PackedWeight | None = None
     field: str = ""
     local_shape: tuple[int, ...] = ()
+    dtype: object = None                   # the param's dtype (a never-routed slot's zeros)
 
     @property
     def param_dim(self) -> int | None:
@@ -282,8 +283,7 @@ class ExpertPackedParam(DerivedParam):
         out = []
         for e in experts:
             if e < 0:
-                out.append(np.zeros(self.local_shape, self.method.params(one, "", _float_shape(one), None)[
-                    self.field].dtype))
+                out.append(np.zeros(self.local_shape, self.dtype))
                 continue
             keys = {n: f"{n}.{e}" for n in e_all.names}
             missing = [k for k in keys.values() if k not in tensors]
@@ -292,14 +292,6 @@ class ExpertPackedParam(DerivedParam):
             out.append(rank_block(self.method, one, self.field, inner_rank, {n: tensors[k] for n, k in keys.items()},
                                   {n: names.get(k, k) for n, k in keys.items()}))
         return np.stack(out)
-
-
-def _float_shape(one: ShardedParam) -> tuple[int, int]:
-    """The global float kernel shape [in, out] of one expert's statement (its parts [out, in], padded rows)."""
-    parts = list(one.parts.values())
-    out = sum(p.rows.size if one.split == 0 else p.hf_shape[0] for p in parts)
-    inp = parts[0].rows.size if one.split == 1 else parts[0].hf_shape[1]
-    return (inp, out) if one.transpose else (out, inp)
 
 
 def for_experts(quant_type: str, statements: Mapping[str, ExpertParam], tensors: Mapping[str, object],

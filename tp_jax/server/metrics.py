@@ -8,6 +8,8 @@ scraped, so the numbers of one scrape belong to the same moment between two step
     tp_jax:prefix_cache_hit_rate, tp_jax:prefix_cache_queries_total / _hits_total (tokens)
     tp_jax:generation_tokens_total             tokens sampled by the engine (tokens out)
     tp_jax:num_preemptions_total, tp_jax:engine_steps_total
+    tp_jax:spec_decode_num_drafts_total / _num_draft_tokens_total / _num_accepted_tokens_total,
+    tp_jax:spec_decode_num_accepted_tokens_per_pos_total{position}   speculative decoding (when configured)
 
 Per request, as it runs (`RequestTimer`):
 
@@ -21,6 +23,7 @@ Per request, as it runs (`RequestTimer`):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -50,7 +53,8 @@ def engine_snapshot(engine) -> dict:
             "prefix_hit_rate": hits / queries if queries else 0.0, "prefix_queries": queries, "prefix_hits": hits,
             "generated_tokens": core.stats["generated_tokens"], "preemptions": core.stats["preemptions"],
             "steps": core.stats["steps"], "constrained_tokens": core.stats["constrained_tokens"],
-            "grammar_seconds": core.stats["grammar_seconds"]}
+            "grammar_seconds": core.stats["grammar_seconds"], "spec": None if core.config.speculative is None
+            else dataclasses.replace(core.spec, accepted_per_pos=list(core.spec.accepted_per_pos))}
 
 
 class _EngineCollector:
@@ -82,6 +86,17 @@ class _EngineCollector:
                      "advances (structured outputs)", "grammar_seconds")]
         for name, doc, key in counters:
             yield CounterMetricFamily(f"tp_jax:{name}", doc, value=s[key])
+        spec = s["spec"]
+        if spec is not None:                    # vLLM's spec-decode series
+            for name, doc, value in [("num_drafts", "Speculative steps of a request (rows verified)", spec.drafts),
+                                     ("num_draft_tokens", "Draft tokens proposed and verified", spec.draft_tokens),
+                                     ("num_accepted_tokens", "Draft tokens accepted", spec.accepted_tokens)]:
+                yield CounterMetricFamily(f"tp_jax:spec_decode_{name}", doc, value=value)
+            per_pos = CounterMetricFamily("tp_jax:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft", labels=["position"])
+            for i, n in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([str(i)], n)
+            yield per_pos
 
 
 class ServerMetrics:

@@ -30,7 +30,9 @@ block tables [D, Wd] and [P, Wp], the chunks' chunk_tables [Rv, Cb], chunk_row a
 [Rv], prefill_index [P, T] (N for padding), and `logits_index` [D + P]: the token whose logits
 each sample row samples from. Sample row i < D is decode row i; a prefill row samples at its last
 chunk's row, D + (that chunk), from its last token, and the other chunks' sample rows are padding.
-`rows[g][i]` is the ScheduledRow behind sample row i (None: padding).
+`rows[g][i]` is the ScheduledRow behind sample row i (None: padding). A speculative row (a decode
+and its drafts, tp_jax/serving/speculative.py) is 1 + k consecutive decode rows, each one token at
+its own position with the same block table; each samples (`sample_offsets` numbers them).
 """
 
 from __future__ import annotations
@@ -148,13 +150,14 @@ def unpack(packed, s: StepShape) -> dict:
 
 
 def _split(rows: list[ScheduledRow], m: int) -> list[tuple[list[ScheduledRow], list[ScheduledRow]]]:
-    """A replica's rows into m micro-batches: decodes round-robin, prefills to the lightest group."""
+    """A replica's rows into m micro-batches: decodes round-robin (a speculative row's query rows stay
+    together: each reads the keys the ones before it write), prefills to the lightest group."""
     groups = [([], []) for _ in range(m)]
-    decodes = [r for r in rows if r.num_tokens == 1]
+    decodes = [r for r in rows if r.decodes]
     for i, r in enumerate(decodes):
         groups[i % m][0].append(r)
     load = [0] * m
-    for r in sorted((r for r in rows if r.num_tokens > 1), key=lambda r: -r.num_tokens):
+    for r in sorted((r for r in rows if not r.decodes), key=lambda r: -r.num_tokens):
         g = load.index(min(load))
         groups[g][1].append(r)
         load[g] += r.num_tokens
@@ -186,13 +189,14 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
     p, t = prefill_layout([[r.num_tokens for r in pre] for _, (_, pre) in groups], chunk)
     wd = _blocks(decodes, block_size)
     split_k = split_k and bool(decodes)
+    queries = [[(row, j) for row in dec for j in range(row.num_tokens)] for _, (dec, _) in groups]
     s = StepShape(
         groups=len(groups),
-        tokens=fine_bucket(max(len(dec) + sum(r.num_tokens for r in pre) for _, (dec, pre) in groups),
+        tokens=fine_bucket(max(len(q) + sum(r.num_tokens for r in pre) for q, (_, (_, pre)) in zip(queries, groups)),
                            MIN_TOKENS if prefills else 1),
-        decode_rows=fine_bucket(max(len(dec) for _, (dec, _) in groups)),
+        decode_rows=fine_bucket(max(len(q) for q in queries)),
         decode_blocks=wd,
-        decode_chunks=decode_chunk_count([[r.start + 1 for r in dec] for _, (dec, _) in groups], block_size)
+        decode_chunks=decode_chunk_count([[r.start + j + 1 for r, j in q] for q in queries], block_size)
         if split_k else 0,
         chunk_blocks=chunk_blocks(block_size) if split_k else 0,
         prefill_rows=p, prefill_width=t, prefill_blocks=_blocks(prefills, block_size))
@@ -209,15 +213,15 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
     sample_rows: list[list[ScheduledRow | None]] = []
     for g, (replica, (dec, pre)) in enumerate(groups):
         mine: list[ScheduledRow | None] = [None] * (d + p)
-        for i, row in enumerate(dec):
+        for i, (row, j) in enumerate(queries[g]):              # a speculative row: one query row per token
             _fill(row, tables[replica][row.request.request_id], block_size, i, ids[g], pos[g], slots[g],
-                  dec_tables[g, i])
+                  dec_tables[g, i], j)
             logits_index[g, i] = i
             mine[i] = row
         if split_k:
-            split_decode_rows([r.start + 1 for r in dec], dec_tables[g], block_size, chunk_tables[g], chunk_row[g],
-                              chunk_start[g])
-        off, j = len(dec), 0
+            split_decode_rows([r.start + j + 1 for r, j in queries[g]], dec_tables[g], block_size, chunk_tables[g],
+                              chunk_row[g], chunk_start[g])
+        off, j = len(queries[g]), 0
         for row in pre:
             first = j
             _fill(row, tables[replica][row.request.request_id], block_size, off, ids[g], pos[g], slots[g],
@@ -232,6 +236,15 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
         sample_rows.append(mine)
     return StepBatch(s, ids, pos, slots, dec_tables, chunk_tables, chunk_row, chunk_start, pre_tables, pre_index,
                      logits_index, sample_rows)
+
+
+def sample_offsets(rows: list[ScheduledRow | None]) -> list[int]:
+    """For one group's sample rows: each row's token within its ScheduledRow (0 but for the query rows
+    of a speculative row, which follow each other: 0, 1, ..., k)."""
+    out = []
+    for i, row in enumerate(rows):
+        out.append(out[-1] + 1 if i and row is not None and rows[i - 1] is row else 0)
+    return out
 
 
 def split_decode_rows(lengths: list[int], tables: np.ndarray, block_size: int, chunk_tables: np.ndarray,
@@ -250,12 +263,17 @@ def split_decode_rows(lengths: list[int], tables: np.ndarray, block_size: int, c
             v += 1
 
 
-def _fill(row: ScheduledRow, table: list[int], block_size: int, off: int, ids, pos, slots, table_out) -> None:
-    """Write one row's tokens at ids[off:], positions, slots, and its block table."""
+def _fill(row: ScheduledRow, table: list[int], block_size: int, off: int, ids, pos, slots, table_out,
+          query: int | None = None) -> None:
+    """Write one row's tokens at ids[off:], positions, slots, and its block table; `query`: only its
+    token `query` (one query row of a speculative row), with the table up to that token."""
     k, start = row.num_tokens, row.start
+    tokens = row.token_ids()
+    if query is not None:
+        k, start, tokens = 1, start + query, tokens[query:query + 1]
     positions = np.arange(start, start + k, dtype=np.int32)
     blocks = np.asarray(table, np.int32)
-    ids[off:off + k] = row.request.token_ids[start:start + k]
+    ids[off:off + k] = tokens
     pos[off:off + k] = positions
     slots[off:off + k] = blocks[positions // block_size] * block_size + positions % block_size
     used = -(-(start + k) // block_size)

@@ -88,7 +88,7 @@ class BlockManager:
         """Register req's computed, full blocks under their hashes (after a step)."""
         if not self.prefix_caching:
             return
-        full = req.num_computed_tokens // self.block_size
+        full = min(req.num_computed_tokens, req.num_tokens) // self.block_size   # accepted drafts: next time
         done = self.num_registered.get(req.request_id, 0)
         if full <= done:
             return
@@ -99,6 +99,17 @@ class BlockManager:
                 self.cached[h] = b
                 self.hash_of[b] = h
         self.num_registered[req.request_id] = full
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free req's blocks past its first `num_tokens` tokens (a rejected speculative run's): never
+        registered, they go to the head of the free queue."""
+        table = self.tables.get(req.request_id, [])
+        while len(table) > -(-num_tokens // self.block_size):
+            b = table.pop()
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free_queue[b] = None
+                self.free_queue.move_to_end(b, last=False)
 
     def free(self, req: Request) -> None:
         """Release req's blocks, last first, so a prefix outlives its tail in the cache."""

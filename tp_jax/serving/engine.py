@@ -33,7 +33,7 @@ from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_
 from tp_jax.parallel.mesh import DP, PP
 from tp_jax.serving import prompt_logprobs, sampling, structured
 from tp_jax.serving.batch import (MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch, chunk_blocks,
-                                  fine_bucket, prefill_layout)
+                                  fine_bucket, prefill_layout, sample_offsets)
 from tp_jax.serving.engine_args import default
 from tp_jax.serving.kv_pool import plan_pool
 from tp_jax.serving.penalties import Penalties
@@ -42,6 +42,7 @@ from tp_jax.serving.request import Request
 from tp_jax.serving.runner import ModelRunner
 from tp_jax.serving.sampling import SamplingParams
 from tp_jax.serving.scheduler import Scheduler, SchedulerConfig
+from tp_jax.serving.speculative import SpecCounters, SpeculativeConfig, accepted_count, propose_ngram
 
 
 log = logging.getLogger("tp_jax.engine")
@@ -65,6 +66,7 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = default("seed")
     attention_backend: str = "reference"          # tp_jax/models/attention.py PAGED_BACKENDS
+    speculative: SpeculativeConfig | None = None  # tp_jax/serving/speculative.py
 
     @classmethod
     def from_setup(cls, setup) -> EngineConfig:
@@ -74,7 +76,8 @@ class EngineConfig:
                    max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                    num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                    gpu_memory_utilization=a.gpu_memory_utilization, enable_prefix_caching=a.enable_prefix_caching,
-                   num_microbatches=setup.num_microbatches, seed=a.seed, attention_backend=setup.attention_backend)
+                   num_microbatches=setup.num_microbatches, seed=a.seed, attention_backend=setup.attention_backend,
+                   speculative=SpeculativeConfig.parse(a.speculative_config))
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
@@ -107,6 +110,8 @@ class EngineOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None   # with the first output, when asked for
+    num_draft_tokens: int = 0                          # speculative decoding: drafts verified this step
+    num_accepted_tokens: int = 0                       # ... and accepted (on a step's first output)
 
     @property
     def finished(self) -> bool:
@@ -138,6 +143,7 @@ class EngineCore:
         self.split_k = config.attention_backend in SPLIT_K_BACKENDS      # the batch carries decode chunks
         self.requests: dict[str, Request] = {}
         self.rng = np.random.default_rng(config.seed)
+        self.spec = SpecCounters()                     # speculative decoding's totals (config.speculative)
         self.stats = {"steps": 0, "scheduled_tokens": 0, "generated_tokens": 0, "preemptions": 0, "max_running": 0,
                       "constrained_tokens": 0, "grammar_seconds": 0.0}     # structured outputs: rows, host time
 
@@ -194,7 +200,9 @@ class EngineCore:
 
     # --- one step -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """Schedule, run and sample one step; the outputs of every request that got a token."""
+        """Schedule, run and sample one step; an output for each token a request got (several for a
+        speculative row whose drafts stood), in order."""
+        self._propose()
         out = self.scheduler.schedule()
         self._release_preempted(out.preempted)
         if out.empty:
@@ -209,6 +217,7 @@ class EngineCore:
         tokens, chosen, top_ids, top_lp, scored = self._execute(plan, lambda: self._bitmask(batch))
         if plan.prompt is not None:
             prompt_logprobs.collect(plan.prompt, scored)
+        verified = self._verify(batch, tokens)
         self.scheduler.update(out)
         self.stats["steps"] += 1
         self.stats["scheduled_tokens"] += out.num_tokens
@@ -217,12 +226,55 @@ class EngineCore:
         outputs = []
         for g, rows in enumerate(batch.rows):
             for i, row in enumerate(rows):
-                if row is not None and row.samples and row.request.max_tokens == 0:
+                if row is None or not row.samples or (i and rows[i - 1] is row):
+                    continue
+                if row.request.max_tokens == 0:
                     outputs.append(self._prompt_only(row.request))
-                elif row is not None and row.samples:
-                    outputs.append(self._append(row.request, int(tokens[g, i]), float(chosen[g, i]),
-                                            top_ids[g, i], top_lp[g, i]))
+                    continue
+                first = len(outputs)
+                for j in range(i, i + 1 + len(row.draft) - row.rejected):     # the drafts that stood, then one
+                    if row.request.finished:                                   # EOS, a stop, max_tokens inside
+                        break
+                    outputs.append(self._append(row.request, int(tokens[g, j]), float(chosen[g, j]),
+                                                top_ids[g, j], top_lp[g, j]))
+                if row.draft:
+                    outputs[first].num_draft_tokens, outputs[first].num_accepted_tokens = verified[id(row)]
         return outputs
+
+    # --- speculative decoding (tp_jax/serving/speculative.py) ----------------------------------------
+    def _propose(self) -> None:
+        """Each running request's drafts for this step: none without a speculative config, when
+        `disable_by_batch_size` requests or more run, or for a request that cannot use them."""
+        spec, running = self.config.speculative, [req for rows in self.scheduler.running for req in rows]
+        off = spec is None or (spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size)
+        for req in running:
+            req.draft = [] if off else self._draft(req, spec)
+
+    def _draft(self, req: Request, spec: SpeculativeConfig) -> list[int]:
+        p = req.params
+        if req.num_tokens - req.num_computed_tokens != 1 or sampling.has_penalties(p):
+            return []                            # a prefill; penalties count outputs one step at a time
+        k = min(spec.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
+                self.config.max_model_len - req.num_tokens)
+        draft = propose_ngram(req.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) if k > 0 else []
+        if req.matcher is not None and draft:    # cut at an end token, then where the grammar refuses
+            ends = self.eos | set(p.stop_token_ids)
+            draft = draft[:next((i for i, t in enumerate(draft) if t in ends), len(draft))]
+            draft = draft[:req.matcher.valid_prefix(draft)]
+        return draft
+
+    def _verify(self, batch, tokens) -> dict[int, tuple[int, int]]:
+        """Set each speculative row's `rejected` from the tokens its query rows sampled; per row
+        (by id) its (drafts, accepted), also added to the totals."""
+        verified = {}
+        for g, rows in enumerate(batch.rows):
+            for i, row in enumerate(rows):
+                if row is not None and row.draft and not (i and rows[i - 1] is row):
+                    a = accepted_count(row.draft, tokens[g, i:i + len(row.draft)])
+                    row.rejected = len(row.draft) - a
+                    self.spec.add(len(row.draft), a)
+                    verified[id(row)] = (len(row.draft), a)
+        return verified
 
     def _plan(self, batch) -> StepPlan:
         g, r = batch.shape.groups, batch.shape.sample_rows
@@ -232,12 +284,12 @@ class EngineCore:
         rows = np.full((g, r), self.penalties.scratch, np.int32)
         inits, logprobs, greedy, penalties = [], 0, True, False
         for gi, batch_rows in enumerate(batch.rows):
-            for i, row in enumerate(batch_rows):
+            for i, (row, j) in enumerate(zip(batch_rows, sample_offsets(batch_rows))):
                 if row is None or not row.samples or row.request.max_tokens == 0:
                     continue
                 req, p = row.request, row.request.params
                 floats[gi, i], top_k[gi, i] = req.sample_floats, sampling.row_top_k(p, self.vocab_size)
-                words[gi, i], steps[gi, i] = req.key_words, req.num_output_tokens
+                words[gi, i], steps[gi, i] = req.key_words, req.num_output_tokens + j     # j: a draft's row
                 logprobs = max(logprobs, p.logprobs or 0)
                 greedy &= p.greedy
                 if sampling.has_penalties(p):
@@ -252,17 +304,21 @@ class EngineCore:
     def _bitmask(self, batch) -> np.ndarray | None:
         """i32[G, R, ceil(V / 32)]: each constrained row's allowed tokens (all ones elsewhere); None when
         no row of the step is constrained, so unconstrained steps run exactly as before."""
-        rows = [(gi, i, row.request.matcher) for gi, rows in enumerate(batch.rows) for i, row in enumerate(rows)
-                if row is not None and row.samples and row.request.matcher is not None]
+        rows = [(gi, i, row) for gi, rows in enumerate(batch.rows) for i, row in enumerate(rows)
+                if row is not None and row.samples and row.request.matcher is not None
+                and not (i and rows[i - 1] is row)]
         if not rows:
             return None
         t = time.perf_counter()
-        mask = np.full((batch.shape.groups, batch.shape.sample_rows, structured.bitmask_words(self.vocab_size)),
-                       -1, np.int32)
-        structured.fill_bitmasks([(m, gi * batch.shape.sample_rows + i) for gi, i, m in rows],
+        r = batch.shape.sample_rows
+        mask = np.full((batch.shape.groups, r, structured.bitmask_words(self.vocab_size)), -1, np.int32)
+        structured.fill_bitmasks([(row.request.matcher, gi * r + i) for gi, i, row in rows if not row.draft],
                                  mask.reshape(-1, mask.shape[-1]))
+        for gi, i, row in rows:                 # a speculative row: each query row's mask after the drafts before it
+            if row.draft:
+                row.request.matcher.fill_rows(row.draft, mask[gi, i:i + 1 + len(row.draft)])
         self.stats["grammar_seconds"] += time.perf_counter() - t
-        self.stats["constrained_tokens"] += len(rows)
+        self.stats["constrained_tokens"] += sum(1 + len(row.draft) for _, _, row in rows)
         return mask
 
     def _execute(self, plan: StepPlan, late_bitmask=None):

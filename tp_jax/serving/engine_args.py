@@ -110,6 +110,16 @@ def _structured(name: str, value: Any) -> None:
         raise ValueError(f"LLM: {name}={value!r}: the options take True or False")
 
 
+def _speculative(name: str, value: Any) -> None:
+    from tp_jax.serving.speculative import SpeculativeConfig
+    if isinstance(value, str):
+        raise TypeError(f"LLM: {name} takes a dict (the command line's --speculative-config takes JSON)")
+    try:
+        SpeculativeConfig.parse(value, name)
+    except ValueError as e:
+        raise ValueError(f"LLM: {e}") from None
+
+
 def _anything(name: str, value: Any) -> None:
     pass
 
@@ -171,6 +181,10 @@ class EngineArgs:
     structured_outputs_config: dict = arg({}, "defaults for every constrained answer, vLLM's: "
                                           "disable_any_whitespace, disable_additional_properties, backend "
                                           "(guidance)", _structured)
+    speculative_config: dict | None = arg(None, "speculative decoding, vLLM's keys: {\"method\": \"ngram\", "
+                                          "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, "
+                                          "\"prompt_lookup_min\": m, \"disable_by_batch_size\": b} (None: off)",
+                                          _speculative)
     compile_cache: bool | str = arg(True, "JAX's persistent compilation cache: True (~/.cache/tp_jax/xla or "
                                     "$TP_JAX_COMPILE_CACHE), False, or a directory", _compile_cache)
     check_weights: bool = arg(True, "refuse weights holding NaN or infinity (a cheap check per tensor)", flag,
@@ -234,6 +248,8 @@ def flag_name(name: str) -> str:
 def _cli_type(f: dataclasses.Field) -> Callable[[str], Any] | None:
     if f.name == "structured_outputs_config":
         return _json_object
+    if f.name == "speculative_config":
+        return _json_speculative
     if f.name == "compile_cache":
         return None
     if "int" in str(f.type):
@@ -252,6 +268,16 @@ def _json_object(text: str) -> dict:
     try:
         _structured("--structured-outputs-config", value)
     except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("LLM: ")) from None
+    return value
+
+
+def _json_speculative(text: str) -> dict:
+    import json
+    try:
+        value = json.loads(text)
+        _speculative("--speculative-config", value)
+    except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("LLM: ")) from None
     return value
 
@@ -278,7 +304,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         choices = meta["choices"]
         choices = choices() if callable(choices) else choices
         group.add_argument(*names, dest=f.name, default=d, type=_cli_type(f), choices=choices, help=help,
-                           metavar="JSON" if f.name == "structured_outputs_config" else None)
+                           metavar="JSON" if f.name in ("structured_outputs_config", "speculative_config") else None)
 
 
 def _bool_or_dir(text: str) -> bool | str:

@@ -22,11 +22,23 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestMetrics:
-    """Wall-clock times (time.monotonic) of one request."""
+    """Wall-clock times (time.monotonic) of one request, and what speculative decoding did for it."""
     arrival_time: float
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    spec_drafts: int = 0                 # its verified speculative steps
+    spec_draft_tokens: int = 0           # draft tokens proposed for it
+    spec_accepted_tokens: int = 0        # of which accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens per speculative step: 1 + the accepted drafts (vLLM's definition)."""
+        return 1 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else None
 
 
 @dataclasses.dataclass

@@ -111,8 +111,14 @@ class OutputProcessor:
         """(the updated RequestOutputs, core ids to abort because a stop string ended them)."""
         now, touched, abort = time.monotonic(), {}, []
         for out in outputs:
+            if out.request_id not in self.children:
+                continue                  # a stop string ended it at an earlier token of this step
             state, i = self.children[out.request_id]
             s = state.samples[i]
+            if out.num_draft_tokens:
+                state.metrics.spec_drafts += 1
+                state.metrics.spec_draft_tokens += out.num_draft_tokens
+                state.metrics.spec_accepted_tokens += out.num_accepted_tokens
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = out.prompt_logprobs

@@ -45,6 +45,7 @@ class Request:
     sample_floats: tuple[float, ...] = ()   # the sampler's per-row floats (sampling.row_floats), set once
     prompt_logprobs: list = dataclasses.field(default_factory=lambda: [None])   # scored so far (prompt_logprobs.py)
     matcher: object | None = None    # structured outputs: its grammar's state (serving/structured.py Matcher)
+    draft: list[int] = dataclasses.field(default_factory=list)   # speculative tokens for the next step
 
     @property
     def num_tokens(self) -> int:

@@ -34,15 +34,27 @@ class SchedulerConfig:
 
 @dataclasses.dataclass
 class ScheduledRow:
-    """`num_tokens` tokens of `request`, from position `start`, this step."""
+    """`num_tokens` tokens of `request`, from position `start`, this step. A speculative row is a decode
+    (the newest token) followed by its `draft` tokens: 1 + len(draft) tokens, each sampled
+    (tp_jax/serving/speculative.py); after the step `rejected` says how many drafts did not stand."""
     request: Request
     start: int
     num_tokens: int
+    draft: list[int] = dataclasses.field(default_factory=list)
+    rejected: int = 0
 
     @property
     def samples(self) -> bool:
         """The row reaches the request's newest token, so its logits give the next one."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.request.num_tokens
+
+    @property
+    def decodes(self) -> bool:
+        """One token a query row: a decode, or a speculative row (its drafts too)."""
+        return self.num_tokens == 1 + len(self.draft)
+
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids[self.start:self.start + self.num_tokens - len(self.draft)] + self.draft
 
 
 @dataclasses.dataclass
@@ -123,14 +135,17 @@ class Scheduler:
         while i < len(running) and budget[r] > 0:
             req = running[i]
             count = min(req.num_tokens - req.num_computed_tokens, budget[r])
+            draft = req.draft[:budget[r] - 1] if count == 1 else []        # drafts only on a decode, in budget
+            if draft and not blocks.allocate(req, req.num_computed_tokens + count + len(draft)):
+                draft = []                                                  # no room: decode without them
             while not blocks.allocate(req, req.num_computed_tokens + count):
                 victim = running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     return
-            out.rows[r].append(ScheduledRow(req, req.num_computed_tokens, count))
-            budget[r] -= count
+            out.rows[r].append(ScheduledRow(req, req.num_computed_tokens, count + len(draft), draft))
+            budget[r] -= count + len(draft)
             i += 1
 
     def _preempt(self, req: Request) -> None:
@@ -154,10 +169,14 @@ class Scheduler:
         return None if best is None else best[1:]
 
     def update(self, out: SchedulerOutput) -> None:
-        """After the step ran: the scheduled tokens are computed; full blocks join the prefix cache."""
+        """After the step ran (and speculative rows were verified, `rejected` set): the scheduled tokens
+        but the rejected drafts are computed; full blocks join the prefix cache; blocks wholly past the
+        request's computed tokens and its next one (a rejected run's) are freed."""
         for r, rows in enumerate(out.rows):
             for row in rows:
                 req = row.request
                 if req.status is Status.RUNNING:
-                    req.num_computed_tokens = row.start + row.num_tokens
+                    req.num_computed_tokens = row.start + row.num_tokens - row.rejected
                     self.blocks[r].register_full_blocks(req)
+                    if row.rejected:
+                        self.blocks[r].trim(req, req.num_computed_tokens + 1)

@@ -40,6 +40,7 @@ class GenerationStats:
     decode_s: float = 0.0               # wall time after the first token, compile excluded
     decode_tokens: int = 0
     kv_cache_bytes_per_device: int = 0
+    spec: object | None = None          # speculative decoding's totals (speculative.py SpecCounters), if on
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -48,7 +49,9 @@ class GenerationStats:
     def line(self) -> str:
         return (f"load {self.load_s:.2f} s | compile {self.compile_s:.2f} s | time to first token "
                 f"{self.ttft_s:.3f} s | decode {self.decode_tokens_per_s:.1f} tokens/s "
-                f"({self.decode_tokens} tokens) | KV cache {self.kv_cache_bytes_per_device / 2**20:.1f} MiB/device")
+                f"({self.decode_tokens} tokens) | KV cache {self.kv_cache_bytes_per_device / 2**20:.1f} MiB/device"
+                + ("" if self.spec is None else f" | speculative: acceptance {self.spec.acceptance_rate:.2f}, "
+                   f"mean accepted length {self.spec.mean_accepted_length:.2f}"))
 
 
 def timed(events, stats: GenerationStats):

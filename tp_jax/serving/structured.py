@@ -135,6 +135,20 @@ class Matcher:
         """Advance by a sampled token; False if the grammar refused it (the matcher is then in error)."""
         return self._m.consume_token(int(token))
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar accepts from here (nothing consumed)."""
+        return self._m.validate_tokens([int(t) for t in tokens]) if tokens else 0
+
+    def fill_rows(self, draft: list[int], rows: np.ndarray) -> None:
+        """A speculative row's masks: rows[i] the bitmask after draft[:i] (len(rows) == len(draft) + 1);
+        the drafts, which `valid_prefix` accepted, are consumed and rolled back."""
+        for i, token in enumerate(draft):
+            self.fill(rows[i])
+            self._m.consume_token(int(token))
+        self.fill(rows[len(draft)])
+        if draft:
+            self._m.rollback(len(draft))
+
     @property
     def done(self) -> bool:
         """The grammar is complete and can take nothing more (but an end-of-sequence token)."""
@@ -223,6 +237,8 @@ def fill_bitmasks(rows: list[tuple[Matcher, int]], mask: np.ndarray) -> None:
     """Fill row `k` of mask[N, W] (int32, contiguous) for each (matcher, k): one row inline, several on
     llguidance's thread pool (it releases the GIL)."""
     global _executor
+    if not rows:
+        return
     if len(rows) == 1:
         m, k = rows[0]
         m.fill(mask[k])

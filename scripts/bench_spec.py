@@ -1,0 +1,102 @@
+"""Speculative decoding (n-gram) against plain decoding on the same model, same run, one JSON line.
+
+    python scripts/bench_spec.py [--model PATH] [--tokens 128] [--k 4] [--lookup-max 4] [--lookup-min 2]
+                                 [--rounds 3] [--mixed-batch 32]
+
+Two engines over the same weights, one with `speculative_config={"method": "ngram", ...}`, one
+without, each asked the same greedy requests (`ignore_eos`, `--tokens` tokens each) in
+alternating rounds; each keeps its best round (this machine is shared). Workloads:
+* `quote`: batch 1, chat prompts that quote a passage back (repeat it, fix its typos, continue a
+  list that repeats): where proposals from the prompt should stand;
+* `ordinary`: batch 1, prompts with nothing to copy;
+* `mixed`: `--mixed-batch` requests at once, half of each kind.
+Per workload: tokens/s of each engine, `speedup` (speculative / plain), the acceptance rate and
+the mean accepted length (1 + accepted drafts per verified step), and whether the greedy tokens
+are equal (they must be).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PASSAGE = ("The river rose quickly after the storm, and by morning the old stone bridge was under water. "
+           "Farmers moved their animals to the hills, while the children watched from the schoolhouse windows. "
+           "By noon the rain had stopped, but the water kept rising until it reached the steps of the church.")
+TYPOS = PASSAGE.replace("quickly", "quikly").replace("morning", "mornign").replace("animals", "animls")
+QUOTE = [f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
+         f"Fix the spelling mistakes in this passage and write it out again in full:\n\n{TYPOS}",
+         "Write the following list out again, then continue it: apple, banana, cherry, apple, banana, cherry, "
+         "apple, banana, cherry, apple, banana",
+         f"Rewrite this passage in the past perfect tense, keeping every sentence:\n\n{PASSAGE}"]
+ORDINARY = ["Write a short poem about the sea.", "What are three good habits for students?",
+            "Explain why the sky is blue.", "Tell me a story about a dragon who learns to cook."]
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mixed-batch", type=int, default=32)
+    return ap.parse_args()
+
+
+def main():
+    args = parse_args()
+    from scripts.bench_decode import cpu_description
+    from tp_jax.serving.llm import LLM
+    from tp_jax.serving.sampling import SamplingParams
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
+            "prompt_lookup_min": args.lookup_min}
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
+    plain = LLM(args.model, progress=False)
+    fast = LLM(args.model, progress=False, speculative_config=spec)
+    tok = plain.get_tokenizer()
+    chat = lambda p: tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                        tokenize=False), add_special_tokens=False)
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    mixed = [chat(QUOTE[i % len(QUOTE)] if i % 2 == 0 else ORDINARY[i % len(ORDINARY)])
+             for i in range(args.mixed_batch)]
+    workloads = {"quote": [[chat(p)] for p in QUOTE], "ordinary": [[chat(p)] for p in ORDINARY], "mixed": [mixed]}
+    for llm in (plain, fast):                                    # compile the shapes the runs use
+        for batches in workloads.values():
+            llm.generate(batches[0], params)
+    result = {"bench": "spec", "model": args.model or "embedded SmolLM2", "tokens": args.tokens,
+              "speculative_config": spec, "cpu": cpu_description(), "workloads": {}}
+    for name, batches in workloads.items():
+        best = {"plain": float("inf"), "ngram": float("inf")}
+        tokens, counters = {}, None
+        for _ in range(args.rounds):
+            for key, llm in (("plain", plain), ("ngram", fast)):
+                core = llm.engine.core
+                before = (core.spec.drafts, core.spec.draft_tokens, core.spec.accepted_tokens)
+                t = time.perf_counter()
+                outs = [o for batch in batches for o in llm.generate(batch, params)]
+                best[key] = min(best[key], time.perf_counter() - t)
+                tokens[key] = [o.outputs[0].token_ids for o in outs]
+                if key == "ngram":
+                    counters = [a - b for a, b in zip((core.spec.drafts, core.spec.draft_tokens,
+                                                       core.spec.accepted_tokens), before)]
+        n = sum(len(t) for t in tokens["plain"])
+        drafts, proposed, accepted = counters
+        result["workloads"][name] = {
+            "requests": sum(len(b) for b in batches), "batch": len(batches[0]),
+            "plain_tokens_per_s": round(n / best["plain"], 2), "ngram_tokens_per_s": round(n / best["ngram"], 2),
+            "speedup": round(best["plain"] / best["ngram"], 3),
+            "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+            "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
+            "greedy_equal": tokens["plain"] == tokens["ngram"]}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

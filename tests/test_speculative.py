@@ -1,0 +1,285 @@
+"""Speculative decoding (n-gram): the proposer against vLLM's rule, the config's errors, greedy token ids
+equal to transformers and to the engine without speculation at tp 1, tp 2, dp 2 x tp 2 and pp 2 (with
+chunked prefill, prefix caching and preemption in play, and under a JSON schema), seeded sampling equal
+to plain sampling, the sampled distribution equal to the target's (a statistical test with its bound,
+which an accept-every-draft sampler fails), stops inside an accepted run, the KV rollback's block
+accounting, and the metrics."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.tiny_models import hf_greedy, make_checkpoint, make_tokenized_checkpoint
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
+from tp_jax.serving.speculative import SpeculativeConfig, propose_ngram
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# repeats (proposals stand), a shared 8-token prefix (prefix cache), one long prompt (chunked prefill)
+PROMPTS = [[5, 17, 300, 42, 9, 5, 17, 300, 42, 9, 5, 17], [5, 17, 300, 42, 9, 5, 17, 300, 8, 8],
+           [7, 8, 9, 10, 11, 12, 13, 7, 8, 9] * 3, [999, 3]]
+TOKENS = 24
+# small blocks, a 16-token budget (prompts split over steps) and a pool that forces preemption
+ENGINE = dict(block_size=4, max_num_batched_tokens=16, num_gpu_blocks=18, max_model_len=64, progress=False)
+
+
+def reference_ngram(tokens, k, hi, lo):
+    """vLLM's rule written plainly: the longest suffix n-gram (hi..lo) seen earlier, its earliest occurrence."""
+    for n in range(hi, lo - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for s in range(len(tokens) - n):
+            if tokens[s:s + n] == suffix:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+def test_proposer_follows_vllms_rule():
+    assert propose_ngram([1, 2, 3, 4, 1, 2, 3], 2, 2, 2) == [4, 1]
+    assert propose_ngram([1, 2, 3, 9, 2, 3, 5, 1, 2, 3], 2, 3, 1) == [9, 2]        # the longest n-gram wins
+    assert propose_ngram([5, 6, 7, 5, 6, 8, 5, 6], 2, 2, 2) == [7, 5]              # its earliest occurrence
+    assert propose_ngram([1, 2, 3, 4], 3, 2, 1) == []                              # nothing repeats
+    assert propose_ngram([4, 4, 4], 5, 2, 1) == [4]                                # overlapping, up to the end
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=30), st.integers(1, 5), st.integers(1, 4),
+       st.integers(1, 4))
+def test_proposer_equals_the_plain_rule(tokens, k, hi, lo):
+    lo = min(lo, hi)
+    assert propose_ngram(tokens, k, hi, lo) == reference_ngram(tokens, k, hi, lo)
+
+
+@pytest.mark.parametrize("value,msg", [
+    ({"model": "/some/draft", "num_speculative_tokens": 3}, "draft model"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "method='eagle3' is not supported"),
+    ({"method": "ngram"}, "num_speculative_tokens=None must be an int >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+     "prompt_lookup_min=3 exceeds prompt_lookup_max=2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 2}, "unknown key(s) ['lookahead']"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size=0"),
+])
+def test_bad_configs_are_refused_naming_the_key(value, msg):
+    with pytest.raises(ValueError, match=None) as e:
+        LLM(None, speculative_config=value, progress=False)
+    assert msg in str(e.value) and str(e.value).startswith("LLM: speculative_config")
+
+
+def test_config_defaults_and_the_command_line_flag():
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (5, 5)                    # vLLM's defaults
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                    "prompt_lookup_max": 4}).prompt_lookup_min == 4
+    import argparse
+    from tp_jax.serving import engine_args
+    parser = argparse.ArgumentParser()
+    engine_args.add_cli_arguments(parser)
+    ns = parser.parse_args(["--speculative-config", json.dumps(SPEC)])
+    assert engine_args.from_cli(ns).speculative_config == SPEC
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "ngram"'])        # not JSON: argparse's error
+
+
+# --- greedy: token for token the engine without speculation, and transformers --------------------------
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("spec"))
+
+
+@pytest.fixture(scope="module")
+def gqa(root):
+    path = make_checkpoint("gqa", root)
+    return path, [hf_greedy(path, p, TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain(gqa):
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=2)
+    return LLM(gqa[0], **ENGINE).generate(PROMPTS, params)
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 1)], ids=str)
+def test_greedy_equals_plain_decoding_and_transformers(gqa, plain, dp, pp, tp):
+    path, refs = gqa
+    llm = LLM(path, speculative_config=SPEC, tensor_parallel_size=tp, data_parallel_size=dp,
+              pipeline_parallel_size=pp, **ENGINE)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=2)
+    outs = llm.generate(PROMPTS, params)
+    assert _ids(outs) == _ids(plain) == refs
+    for o, p in zip(outs, plain):                        # each token's logprob, as plain decoding scored it
+        got = [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+        want = [lp[t] for t, lp in zip(p.outputs[0].token_ids, p.outputs[0].logprobs)]
+        np.testing.assert_allclose(got, want, atol=2e-5 if (dp, pp, tp) != (1, 1, 1) else 0)
+    core = llm.engine.core
+    assert core.spec.accepted_tokens > 10 and core.spec.draft_tokens > core.spec.accepted_tokens  # both paths ran
+    assert core.stats["preemptions"] > 0
+    alone = llm.generate(PROMPTS[2], params)[0]            # alone == in the batch, from blocks the batch cached
+    assert alone.outputs[0].token_ids == refs[2] and alone.num_cached_tokens > 0
+    assert core.kv_usage()[0] == 0                                                  # every block came back
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache(gqa):
+    """Blocks held stay within the computed tokens + one after every step, and a request that finds a
+    speculated sequence's blocks in the prefix cache continues as transformers does."""
+    path, refs = gqa
+    llm = LLM(path, speculative_config=SPEC, block_size=4, progress=False)
+    core = llm.engine.core
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0)
+    for i, p in enumerate(PROMPTS[:3]):
+        llm.engine.add_request(str(i), p, params)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        for req in core.scheduler.running[0]:
+            assert len(core.scheduler.blocks[0].table(req.request_id)) <= -(-(req.num_computed_tokens + 1) // 4)
+    assert core.spec.draft_tokens > core.spec.accepted_tokens > 0
+    longer = PROMPTS[0] + refs[0]                      # its blocks were written with drafts in flight
+    out = llm.generate(longer, SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert out.num_cached_tokens >= 24
+    assert out.outputs[0].token_ids == hf_greedy(path, longer, 8)
+
+
+# --- sampling -------------------------------------------------------------------------------------
+
+def test_seeded_sampling_equals_plain_sampling(gqa):
+    path, _ = gqa
+    params = [SamplingParams(max_tokens=TOKENS, temperature=t, top_p=0.9, top_k=k, seed=s, logprobs=1)
+              for t, k, s in [(1.0, 0, 1), (0.7, 50, 2), (1.3, 0, 3), (1.0, 5, 4)]]
+    a = LLM(path, block_size=4, progress=False).generate(PROMPTS, params)
+    spec = LLM(path, speculative_config=SPEC, block_size=4, progress=False)
+    b = spec.generate(PROMPTS, params)
+    assert _ids(a) == _ids(b) and spec.engine.core.spec.draft_tokens > 0
+
+
+def _tiny_vocab_model(root: str) -> str:
+    """One layer, 8 tokens, a sharp random head: a distribution worth testing."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(11)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
+                      bos_token_id=0, eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    model.save_pretrained(f"{root}/vocab8", safe_serialization=True)
+    return f"{root}/vocab8"
+
+
+def test_sampled_distribution_is_the_targets(root):
+    """Every prompt token occurs once, so after any first token t1 the n-gram proposer drafts what followed
+    t1 in the prompt, and the second token t2 goes through verification. Over N seeded requests the joint
+    frequency of (t1, t2) must be within total variation 0.08 of transformers' p(t1) p(t2 | t1) (sampling
+    noise at N = 3000 over 64 cells: about 0.05). A sampler that accepted every draft puts t2 = draft(t1)
+    and is far outside the bound (checked below from the same p)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    path = _tiny_vocab_model(root)
+    prompt, n = [3, 1, 4, 0, 5, 2, 6, 7], 3000
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1], -1).numpy()
+        p2 = np.stack([torch.softmax(hf(torch.tensor([prompt + [t]])).logits[0, -1], -1).numpy() for t in range(8)])
+    target = p1[:, None] * p2                                                   # [t1, t2]
+    llm = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1,
+                                        "prompt_lookup_min": 1}, progress=False)
+    outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=s) for s in range(n)])
+    joint = np.zeros((8, 8))
+    for o in outs:
+        t1, t2 = o.outputs[0].token_ids[:2]
+        joint[t1, t2] += 1 / n
+    assert llm.engine.core.spec.draft_tokens == n                               # every t2 was a verified draft
+    tv = 0.5 * np.abs(joint - target).sum()
+    assert tv < 0.08, tv
+    draft = {t: prompt[prompt.index(t) + 1] if prompt.index(t) + 1 < len(prompt) else None for t in range(8)}
+    accept_all = np.zeros((8, 8))
+    for t1 in range(8):
+        if draft[t1] is not None:
+            accept_all[t1, draft[t1]] = p1[t1]
+        else:
+            accept_all[t1] = p1[t1] * p2[t1]
+    assert 0.5 * np.abs(accept_all - target).sum() > 0.3                        # the test tells them apart
+
+
+# --- stops inside an accepted run, constraints, metrics ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenized(root, smollm2_path):
+    return make_tokenized_checkpoint(root, smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def looping(root, gqa, smollm2_path):
+    """The tiny gqa model (its greedy text falls into loops that proposals predict) with SmolLM2's tokenizer."""
+    import shutil
+    from tp_jax.serving.tokenizer import load_tokenizer
+    path = f"{root}/gqa_tokenizer"
+    shutil.copytree(gqa[0], path)
+    load_tokenizer(smollm2_path).save_pretrained(path)
+    return path
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(looping):
+    plain, spec = LLM(looping, progress=False), LLM(looping, speculative_config=SPEC, progress=False)
+    prompt = PROMPTS[0]
+    base = plain.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert spec.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0].outputs[0] \
+        .token_ids == base.token_ids
+    assert spec.engine.core.spec.accepted_tokens > 0
+    text, sid = base.text, base.token_ids[7]
+    cases = [dict(max_tokens=m) for m in range(1, 12)] + [dict(stop_token_ids=[sid]), dict(stop=[text[9:12]]),
+                                                           dict(stop=[text[9:12]], include_stop_str_in_output=True)]
+    for kw in cases:
+        p = SamplingParams(**{"max_tokens": 30, **kw}, temperature=0.0, ignore_eos=True, logprobs=1)
+        a, b = plain.generate([prompt], p)[0].outputs[0], spec.generate([prompt], p)[0].outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == \
+            (a.token_ids, a.text, a.finish_reason, a.stop_reason), kw
+        assert len(b.logprobs) == len(b.token_ids)
+    spec.engine.core.eos = plain.engine.core.eos = frozenset({base.token_ids[6]})    # an EOS inside the run
+    p = SamplingParams(max_tokens=30, temperature=0.0)
+    assert _ids(spec.generate([prompt], p)) == _ids(plain.generate([prompt], p))
+    events = list(spec.generate_stream([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
+    assert [e.token_id for e in events] == base.token_ids and "".join(e.text for e in events) == text
+    out = spec.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    m = out.metrics
+    assert m.spec_draft_tokens >= m.spec_accepted_tokens > 0 and m.spec_mean_accepted_length > 1
+
+
+def test_json_schema_outputs_equal_and_validate(tokenized):
+    import jsonschema
+    from tp_jax.serving.structured import StructuredOutputsParams
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "items": {"enum": ["aa", "bb", "cc"]},
+                                                        "maxItems": 6}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    prompts = ["List tags: aa bb cc aa bb", "name tags tags tags", "{\"name\": \"x\", \"tags\": [\"aa\", \"aa\""]
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=so)
+    a = LLM(tokenized, progress=False).generate(prompts, params)
+    spec = LLM(tokenized, speculative_config=SPEC, progress=False)
+    b = spec.generate(prompts, params)
+    assert _ids(a) == _ids(b)
+    for o in b:
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
+    assert spec.engine.core.spec.draft_tokens > 0
+
+
+def test_disable_by_batch_size_and_penalties_turn_proposals_off(gqa):
+    path, refs = gqa
+    off = LLM(path, speculative_config={**SPEC, "disable_by_batch_size": 2}, progress=False)
+    outs = off.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0.0))
+    assert _ids(outs) == refs
+    drafts = off.engine.core.spec.draft_tokens                   # only while fewer than 2 requests ran
+    off.generate(PROMPTS[:1], SamplingParams(max_tokens=TOKENS, temperature=0.0, repetition_penalty=1.2))
+    assert off.engine.core.spec.draft_tokens == drafts            # a penalized request is not speculated
+    assert math.isclose(off.engine.core.spec.acceptance_rate,
+                        off.engine.core.spec.accepted_tokens / max(drafts, 1))

@@ -6,8 +6,8 @@
 Two engines over the same weights, one with `speculative_config={"method": "ngram", ...}`, one
 without, each asked the same greedy requests (`ignore_eos`, `--tokens` tokens each) in
 alternating rounds; each keeps its best round (this machine is shared). Workloads:
-* `quote`: batch 1, chat prompts that quote a passage back (repeat it, fix its typos, continue a
-  list that repeats): where proposals from the prompt should stand;
+* `quote`: batch 1, chat prompts that quote a passage of ~190 tokens back (repeat it, fix its typos,
+  continue a list that repeats, rewrite it): where proposals from the prompt should stand;
 * `ordinary`: batch 1, prompts with nothing to copy;
 * `mixed`: `--mixed-batch` requests at once, half of each kind.
 Per workload: tokens/s of each engine, `speedup` (speculative / plain), the acceptance rate and
@@ -25,7 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PASSAGE = ("The river rose quickly after the storm, and by morning the old stone bridge was under water. "
            "Farmers moved their animals to the hills, while the children watched from the schoolhouse windows. "
-           "By noon the rain had stopped, but the water kept rising until it reached the steps of the church.")
+           "By noon the rain had stopped, but the water kept rising until it reached the steps of the church. "
+           "The mayor called a meeting in the town hall, and everyone agreed to build a wall of sandbags along "
+           "the main street. Men and women worked through the afternoon, filling bags with sand from the quarry "
+           "and passing them from hand to hand. When the sun went down, the wall was finished, and the water "
+           "stopped a few steps short of the first houses. The next morning the river began to fall, and the "
+           "people of the town walked down to the bridge to see what the flood had left behind.")
 TYPOS = PASSAGE.replace("quickly", "quikly").replace("morning", "mornign").replace("animals", "animls")
 QUOTE = [f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
          f"Fix the spelling mistakes in this passage and write it out again in full:\n\n{TYPOS}",
@@ -45,7 +50,9 @@ def parse_args():
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--mixed-batch", type=int, default=32)
+    ap.add_argument("--mixed-batch", type=int, nargs="+", default=[32])
+    ap.add_argument("--quote-batch", type=int, nargs="+", default=[1], help="quote prompts at these batch sizes")
+    ap.add_argument("--workloads", nargs="+", default=["quote", "ordinary", "mixed"])
     return ap.parse_args()
 
 
@@ -64,12 +71,19 @@ def main():
     chat = lambda p: tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                         tokenize=False), add_special_tokens=False)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    mixed = [chat(QUOTE[i % len(QUOTE)] if i % 2 == 0 else ORDINARY[i % len(ORDINARY)])
-             for i in range(args.mixed_batch)]
-    workloads = {"quote": [[chat(p)] for p in QUOTE], "ordinary": [[chat(p)] for p in ORDINARY], "mixed": [mixed]}
+    mixed = lambda b: [chat(QUOTE[i % len(QUOTE)] if i % 2 == 0 else ORDINARY[i % len(ORDINARY)]) for i in range(b)]
+    quote = lambda b: [[chat(QUOTE[(i + j) % len(QUOTE)]) for j in range(b)] for i in range(len(QUOTE) if b == 1 else 1)]
+    workloads = {}
+    for b in args.quote_batch if "quote" in args.workloads else []:
+        workloads["quote" if b == 1 else f"quote_batch{b}"] = quote(b)
+    if "ordinary" in args.workloads:
+        workloads["ordinary"] = [[chat(p)] for p in ORDINARY]
+    for b in args.mixed_batch if "mixed" in args.workloads else []:
+        workloads["mixed" if b == 32 else f"mixed_batch{b}"] = [mixed(b)]
     for llm in (plain, fast):                                    # compile the shapes the runs use
         for batches in workloads.values():
-            llm.generate(batches[0], params)
+            for batch in batches:
+                llm.generate(batch, params)
     result = {"bench": "spec", "model": args.model or "embedded SmolLM2", "tokens": args.tokens,
               "speculative_config": spec, "cpu": cpu_description(), "workloads": {}}
     for name, batches in workloads.items():

@@ -99,9 +99,18 @@ def gqa(root):
 
 
 @pytest.fixture(scope="module")
-def plain(gqa):
-    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=2)
-    return LLM(gqa[0], **ENGINE).generate(PROMPTS, params)
+def plain_llm(gqa):
+    return LLM(gqa[0], **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def spec_llm(gqa):
+    return LLM(gqa[0], speculative_config=SPEC, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def plain(plain_llm):
+    return plain_llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=2))
 
 
 def _ids(outs):
@@ -109,10 +118,10 @@ def _ids(outs):
 
 
 @pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 1)], ids=str)
-def test_greedy_equals_plain_decoding_and_transformers(gqa, plain, dp, pp, tp):
+def test_greedy_equals_plain_decoding_and_transformers(gqa, plain, spec_llm, dp, pp, tp):
     path, refs = gqa
-    llm = LLM(path, speculative_config=SPEC, tensor_parallel_size=tp, data_parallel_size=dp,
-              pipeline_parallel_size=pp, **ENGINE)
+    llm = spec_llm if (dp, pp, tp) == (1, 1, 1) else LLM(path, speculative_config=SPEC, tensor_parallel_size=tp,
+                                                         data_parallel_size=dp, pipeline_parallel_size=pp, **ENGINE)
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=2)
     outs = llm.generate(PROMPTS, params)
     assert _ids(outs) == _ids(plain) == refs
@@ -128,20 +137,21 @@ def test_greedy_equals_plain_decoding_and_transformers(gqa, plain, dp, pp, tp):
     assert core.kv_usage()[0] == 0                                                  # every block came back
 
 
-def test_rejected_drafts_never_reach_the_prefix_cache(gqa):
+def test_rejected_drafts_never_reach_the_prefix_cache(gqa, spec_llm):
     """Blocks held stay within the computed tokens + one after every step, and a request that finds a
     speculated sequence's blocks in the prefix cache continues as transformers does."""
     path, refs = gqa
-    llm = LLM(path, speculative_config=SPEC, block_size=4, progress=False)
+    llm = spec_llm
     core = llm.engine.core
-    params = SamplingParams(max_tokens=TOKENS, temperature=0.0)
-    for i, p in enumerate(PROMPTS[:3]):
-        llm.engine.add_request(str(i), p, params)
+    core.reset_prefix_cache()
+    before = (core.spec.draft_tokens, core.spec.accepted_tokens)
+    for i, n in ((0, TOKENS), (1, 6), (3, 6)):          # 0 ends last: its blocks are the last evicted
+        llm.engine.add_request(str(i), PROMPTS[i], SamplingParams(max_tokens=n, temperature=0.0))
     while llm.engine.has_unfinished():
         llm.engine.step()
         for req in core.scheduler.running[0]:
             assert len(core.scheduler.blocks[0].table(req.request_id)) <= -(-(req.num_computed_tokens + 1) // 4)
-    assert core.spec.draft_tokens > core.spec.accepted_tokens > 0
+    assert core.spec.draft_tokens - before[0] > core.spec.accepted_tokens - before[1] > 0
     longer = PROMPTS[0] + refs[0]                      # its blocks were written with drafts in flight
     out = llm.generate(longer, SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert out.num_cached_tokens >= 24
@@ -150,14 +160,12 @@ def test_rejected_drafts_never_reach_the_prefix_cache(gqa):
 
 # --- sampling -------------------------------------------------------------------------------------
 
-def test_seeded_sampling_equals_plain_sampling(gqa):
-    path, _ = gqa
+def test_seeded_sampling_equals_plain_sampling(plain_llm, spec_llm):
     params = [SamplingParams(max_tokens=TOKENS, temperature=t, top_p=0.9, top_k=k, seed=s, logprobs=1)
               for t, k, s in [(1.0, 0, 1), (0.7, 50, 2), (1.3, 0, 3), (1.0, 5, 4)]]
-    a = LLM(path, block_size=4, progress=False).generate(PROMPTS, params)
-    spec = LLM(path, speculative_config=SPEC, block_size=4, progress=False)
-    b = spec.generate(PROMPTS, params)
-    assert _ids(a) == _ids(b) and spec.engine.core.spec.draft_tokens > 0
+    drafts = spec_llm.engine.core.spec.draft_tokens
+    a, b = plain_llm.generate(PROMPTS, params), spec_llm.generate(PROMPTS, params)
+    assert _ids(a) == _ids(b) and spec_llm.engine.core.spec.draft_tokens > drafts
 
 
 def _tiny_vocab_model(root: str) -> str:
@@ -191,7 +199,7 @@ def test_sampled_distribution_is_the_targets(root):
         p2 = np.stack([torch.softmax(hf(torch.tensor([prompt + [t]])).logits[0, -1], -1).numpy() for t in range(8)])
     target = p1[:, None] * p2                                                   # [t1, t2]
     llm = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1,
-                                        "prompt_lookup_min": 1}, progress=False)
+                                        "prompt_lookup_min": 1, "disable_by_batch_size": n}, progress=False)
     outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=s) for s in range(n)])
     joint = np.zeros((8, 8))
     for o in outs:
@@ -252,6 +260,19 @@ def test_stops_and_max_tokens_inside_an_accepted_run(looping):
     out = spec.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
     m = out.metrics
     assert m.spec_draft_tokens >= m.spec_accepted_tokens > 0 and m.spec_mean_accepted_length > 1
+    from prometheus_client import CollectorRegistry, generate_latest
+    from tp_jax.server.metrics import _EngineCollector, engine_snapshot
+    collector, registry = _EngineCollector(), CollectorRegistry()
+    registry.register(collector)
+    collector.snapshot = engine_snapshot(spec.engine)
+    text = generate_latest(registry).decode()
+    c = spec.engine.core.spec
+    assert f"tp_jax:spec_decode_num_accepted_tokens_total {float(c.accepted_tokens)}" in text
+    assert f"tp_jax:spec_decode_num_draft_tokens_total {float(c.draft_tokens)}" in text
+    assert f'tp_jax:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {float(c.accepted_per_pos[0])}' \
+        in text
+    from tp_jax.serving.stats import GenerationStats
+    assert f"mean accepted length {c.mean_accepted_length:.2f}" in GenerationStats(spec=c).line()
 
 
 def test_json_schema_outputs_equal_and_validate(tokenized):
@@ -274,7 +295,13 @@ def test_json_schema_outputs_equal_and_validate(tokenized):
 
 
 def test_disable_by_batch_size_and_penalties_turn_proposals_off(gqa):
+    """Proposals only while at most disable_by_batch_size requests run (named, or on CPU 4: the resolve
+    step's rule), never for a penalized request."""
+    from tp_jax.serving.resolve import CPU_SPEC_BATCH
     path, refs = gqa
+    auto = LLM(path, speculative_config=SPEC, progress=False)
+    assert auto.engine.core.config.speculative.disable_by_batch_size == CPU_SPEC_BATCH
+    assert f'"disable_by_batch_size": {CPU_SPEC_BATCH}' in auto.setup.summary()          # said, with its reason
     off = LLM(path, speculative_config={**SPEC, "disable_by_batch_size": 2}, progress=False)
     outs = off.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0.0))
     assert _ids(outs) == refs

@@ -77,7 +77,7 @@ class EngineConfig:
                    num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                    gpu_memory_utilization=a.gpu_memory_utilization, enable_prefix_caching=a.enable_prefix_caching,
                    num_microbatches=setup.num_microbatches, seed=a.seed, attention_backend=setup.attention_backend,
-                   speculative=SpeculativeConfig.parse(a.speculative_config))
+                   speculative=setup.speculative_config)
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
@@ -243,10 +243,10 @@ class EngineCore:
 
     # --- speculative decoding (tp_jax/serving/speculative.py) ----------------------------------------
     def _propose(self) -> None:
-        """Each running request's drafts for this step: none without a speculative config, when
-        `disable_by_batch_size` requests or more run, or for a request that cannot use them."""
+        """Each running request's drafts for this step: none without a speculative config, when more
+        than `disable_by_batch_size` requests run, or for a request that cannot use them."""
         spec, running = self.config.speculative, [req for rows in self.scheduler.running for req in rows]
-        off = spec is None or (spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size)
+        off = spec is None or (spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size)
         for req in running:
             req.draft = [] if off else self._draft(req, spec)
 

@@ -91,6 +91,7 @@ class Rule:
     test: Callable[[Any], bool]
     then: Callable[[Any], Any] | Any
     why: str
+    shown: str = ""                               # what the docs' table says `then` is, when it is computed
 
     def value(self, facts) -> Any:
         return self.then(facts) if callable(self.then) else self.then
@@ -117,6 +118,15 @@ def _asked(name: str) -> Rule:
 
 
 _cpu = lambda f: f.platform.backend == "cpu"                                  # noqa: E731
+CPU_SPEC_BATCH = 4          # scripts/bench_spec.py, 2-core AVX2: n-gram gains up to batch 4, loses from 8
+
+
+def _speculative(f, disable_by_batch_size=None):
+    from tp_jax.serving.speculative import SpeculativeConfig
+    spec = SpeculativeConfig.parse(f.args.speculative_config)
+    return spec if disable_by_batch_size is None else dataclasses.replace(spec, disable_by_batch_size=disable_by_batch_size)
+
+
 _gguf_q = lambda f: f.checkpoint.quantized and f.checkpoint.packed_method is None   # noqa: E731
 _packed = lambda f: f.checkpoint.packed_method is not None                    # noqa: E731
 
@@ -161,6 +171,17 @@ RULES: dict[str, list[Rule]] = {
              lambda f: f.checkpoint.stored_bf16 and _cpu(f) and f.args.dtype == "auto" and f.layer_loop == "switch",
              "bf16", "the weights as stored (half float32's bytes), bf16 x bf16 -> float32 dots"),
         Rule("any other checkpoint", lambda f: True, None, "the weights as stored, in the run's dtype"),
+    ],
+    "speculative_config": [
+        Rule("no speculative_config", lambda f: f.args.speculative_config is None, None, "no speculative decoding"),
+        Rule("speculative_config names disable_by_batch_size",
+             lambda f: "disable_by_batch_size" in f.args.speculative_config, _speculative, "named by the user"),
+        Rule("CPU", _cpu, lambda f: _speculative(f, CPU_SPEC_BATCH),
+             f"proposals only while at most {CPU_SPEC_BATCH} requests run (disable_by_batch_size): a CPU step is "
+             "compute-bound past a few rows, where rejected drafts cost more than accepted ones save "
+             "(scripts/bench_spec.py, docs/serving.md)", f"the named config, disable_by_batch_size {CPU_SPEC_BATCH}"),
+        Rule("an accelerator", lambda f: True, _speculative, "vLLM's default: proposals at any batch size",
+             "the named config"),
     ],
     "attention_backend": [
         _asked("attention_backend"),
@@ -255,6 +276,7 @@ def rules_markdown() -> str:
     rows = ["| setting | when | then | why |", "|---|---|---|---|"]
     for name, rules in RULES.items():
         for r in rules:
-            then = "the named value" if callable(r.then) else f"`{r.then}`" if r.then is not None else "none (float)"
+            none = "none (float)" if name == "quantization" else "none"
+            then = r.shown or ("the named value" if callable(r.then) else f"`{r.then}`" if r.then is not None else none)
             rows.append(f"| `{name}` | {r.when} | {then} | {r.why} |")
     return "\n".join(rows)

@@ -40,7 +40,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
-    disable_by_batch_size: int | None = None     # no proposals in a step when this many requests run
+    disable_by_batch_size: int | None = None     # no proposals in a step when more requests run
 
     @classmethod
     def parse(cls, value: dict | str | None, where: str = "speculative_config") -> SpeculativeConfig | None:
@@ -85,6 +85,9 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        return json.dumps({k: v for k, v in self.to_dict().items() if v is not None})
 
 
 def propose_ngram(tokens, k: int, lookup_max: int, lookup_min: int) -> list[int]:

@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram) against plain decoding on the same model, same run, one JSON line.
 
-    python scripts/bench_spec.py [--model PATH] [--tokens 128] [--k 4] [--lookup-max 4] [--lookup-min 2]
+    python scripts/bench_spec.py [--model PATH] [--tokens 128] [--k 5] [--lookup-max 4] [--lookup-min 2]
                                  [--rounds 3] [--mixed-batch 32]
 
 Two engines over the same weights, one with `speculative_config={"method": "ngram", ...}`, one
@@ -45,7 +45,7 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--disable-by-batch-size", type=int, default=None)

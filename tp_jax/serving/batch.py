@@ -247,6 +247,13 @@ def sample_offsets(rows: list[ScheduledRow | None]) -> list[int]:
     return out
 
 
+def sampled_rows(rows: list[ScheduledRow | None]) -> list[tuple[int, ScheduledRow]]:
+    """(first sample row, ScheduledRow) of each row that samples this step: a speculative row once, at its
+    newest token's query row (its drafts' rows follow it)."""
+    return [(i, row) for i, (row, j) in enumerate(zip(rows, sample_offsets(rows)))
+            if row is not None and row.samples and j == 0]
+
+
 def split_decode_rows(lengths: list[int], tables: np.ndarray, block_size: int, chunk_tables: np.ndarray,
                       chunk_row: np.ndarray, chunk_start: np.ndarray) -> None:
     """Lay decode rows with lengths[i] positions (the new token's included) and block tables[i] out as

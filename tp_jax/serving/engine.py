@@ -33,7 +33,7 @@ from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_
 from tp_jax.parallel.mesh import DP, PP
 from tp_jax.serving import prompt_logprobs, sampling, structured
 from tp_jax.serving.batch import (MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch, chunk_blocks,
-                                  fine_bucket, prefill_layout, sample_offsets)
+                                  fine_bucket, prefill_layout, sample_offsets, sampled_rows)
 from tp_jax.serving.engine_args import default
 from tp_jax.serving.kv_pool import plan_pool
 from tp_jax.serving.penalties import Penalties
@@ -217,7 +217,7 @@ class EngineCore:
         tokens, chosen, top_ids, top_lp, scored = self._execute(plan, lambda: self._bitmask(batch))
         if plan.prompt is not None:
             prompt_logprobs.collect(plan.prompt, scored)
-        verified = self._verify(batch, tokens)
+        self._verify(batch, tokens)
         self.scheduler.update(out)
         self.stats["steps"] += 1
         self.stats["scheduled_tokens"] += out.num_tokens
@@ -225,9 +225,7 @@ class EngineCore:
         self.stats["max_running"] = max(self.stats["max_running"], sum(len(rows) for rows in out.rows))
         outputs = []
         for g, rows in enumerate(batch.rows):
-            for i, row in enumerate(rows):
-                if row is None or not row.samples or (i and rows[i - 1] is row):
-                    continue
+            for i, row in sampled_rows(rows):
                 if row.request.max_tokens == 0:
                     outputs.append(self._prompt_only(row.request))
                     continue
@@ -238,15 +236,19 @@ class EngineCore:
                     outputs.append(self._append(row.request, int(tokens[g, j]), float(chosen[g, j]),
                                                 top_ids[g, j], top_lp[g, j]))
                 if row.draft:
-                    outputs[first].num_draft_tokens, outputs[first].num_accepted_tokens = verified[id(row)]
+                    outputs[first].num_draft_tokens = len(row.draft)
+                    outputs[first].num_accepted_tokens = len(row.draft) - row.rejected
         return outputs
 
     # --- speculative decoding (tp_jax/serving/speculative.py) ----------------------------------------
     def _propose(self) -> None:
         """Each running request's drafts for this step: none without a speculative config, when more
         than `disable_by_batch_size` requests run, or for a request that cannot use them."""
-        spec, running = self.config.speculative, [req for rows in self.scheduler.running for req in rows]
-        off = spec is None or (spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size)
+        spec = self.config.speculative
+        if spec is None:
+            return
+        running = [req for rows in self.scheduler.running for req in rows]
+        off = spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size
         for req in running:
             req.draft = [] if off else self._draft(req, spec)
 
@@ -263,18 +265,14 @@ class EngineCore:
             draft = draft[:req.matcher.valid_prefix(draft)]
         return draft
 
-    def _verify(self, batch, tokens) -> dict[int, tuple[int, int]]:
-        """Set each speculative row's `rejected` from the tokens its query rows sampled; per row
-        (by id) its (drafts, accepted), also added to the totals."""
-        verified = {}
+    def _verify(self, batch, tokens) -> None:
+        """Set each speculative row's `rejected` from the tokens its query rows sampled; add to the totals."""
         for g, rows in enumerate(batch.rows):
-            for i, row in enumerate(rows):
-                if row is not None and row.draft and not (i and rows[i - 1] is row):
+            for i, row in sampled_rows(rows):
+                if row.draft:
                     a = accepted_count(row.draft, tokens[g, i:i + len(row.draft)])
                     row.rejected = len(row.draft) - a
                     self.spec.add(len(row.draft), a)
-                    verified[id(row)] = (len(row.draft), a)
-        return verified
 
     def _plan(self, batch) -> StepPlan:
         g, r = batch.shape.groups, batch.shape.sample_rows
@@ -304,9 +302,8 @@ class EngineCore:
     def _bitmask(self, batch) -> np.ndarray | None:
         """i32[G, R, ceil(V / 32)]: each constrained row's allowed tokens (all ones elsewhere); None when
         no row of the step is constrained, so unconstrained steps run exactly as before."""
-        rows = [(gi, i, row) for gi, rows in enumerate(batch.rows) for i, row in enumerate(rows)
-                if row is not None and row.samples and row.request.matcher is not None
-                and not (i and rows[i - 1] is row)]
+        rows = [(gi, i, row) for gi, rows in enumerate(batch.rows) for i, row in sampled_rows(rows)
+                if row.request.matcher is not None]
         if not rows:
             return None
         t = time.perf_counter()

@@ -55,7 +55,11 @@ def test_proposer_equals_the_plain_rule(tokens, k, hi, lo):
 
 
 @pytest.mark.parametrize("value,msg", [
-    ({"model": "/some/draft", "num_speculative_tokens": 3}, "draft model"),
+    ({"model": "/some/draft", "num_speculative_tokens": 3}, "the draft model '/some/draft' is neither"),
+    ({"model": 5, "num_speculative_tokens": 3}, "model=5 must be the draft model's checkpoint"),
+    ({"method": "ngram", "model": "/x", "num_speculative_tokens": 3}, "unknown key(s) ['model'] for method 'ngram'"),
+    ({"model": "/x", "num_speculative_tokens": 3, "prompt_lookup_max": 2}, "unknown key(s) ['prompt_lookup_max']"),
+    ({"model": "/x", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}, "runs on the target's mesh"),
     ({"method": "eagle3", "num_speculative_tokens": 3}, "method='eagle3' is not supported"),
     ({"method": "ngram"}, "num_speculative_tokens=None must be an int >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
@@ -117,18 +121,25 @@ def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 1)], ids=str)
+MESHES = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 1)]
+
+
+@pytest.mark.parametrize("dp,pp,tp", MESHES, ids=str)
 def test_greedy_equals_plain_decoding_and_transformers(gqa, plain, spec_llm, dp, pp, tp):
     path, refs = gqa
     llm = spec_llm if (dp, pp, tp) == (1, 1, 1) else LLM(path, speculative_config=SPEC, tensor_parallel_size=tp,
                                                          data_parallel_size=dp, pipeline_parallel_size=pp, **ENGINE)
+    _check_greedy(llm, plain, refs, (dp, pp, tp))
+
+
+def _check_greedy(llm, plain, refs, mesh):
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=2)
     outs = llm.generate(PROMPTS, params)
     assert _ids(outs) == _ids(plain) == refs
     for o, p in zip(outs, plain):                        # each token's logprob, as plain decoding scored it
         got = [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
         want = [lp[t] for t, lp in zip(p.outputs[0].token_ids, p.outputs[0].logprobs)]
-        np.testing.assert_allclose(got, want, atol=2e-5 if (dp, pp, tp) != (1, 1, 1) else 0)
+        np.testing.assert_allclose(got, want, atol=2e-5 if mesh != (1, 1, 1) else 0)
     core = llm.engine.core
     assert core.spec.accepted_tokens > 10 and core.spec.draft_tokens > core.spec.accepted_tokens  # both paths ran
     assert core.stats["preemptions"] > 0
@@ -156,6 +167,74 @@ def test_rejected_drafts_never_reach_the_prefix_cache(gqa, spec_llm):
     out = llm.generate(longer, SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert out.num_cached_tokens >= 24
     assert out.outputs[0].token_ids == hf_greedy(path, longer, 8)
+
+
+# --- a draft model (tp_jax/serving/draft_model.py) ---------------------------------------------------
+
+def _edited(src: str, dst: str, edit) -> str:
+    """A copy of the checkpoint at `src` with `edit(model)` applied to its weights, at `dst`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        edit(model)
+    model.save_pretrained(dst, safe_serialization=True)
+    return dst
+
+
+def _truncated(layers: int):
+    def edit(model):
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+    return edit
+
+
+@pytest.fixture(scope="module")
+def draft(gqa, root):
+    """The target without its last layer's MLP: about half its greedy proposals stand."""
+    return _edited(gqa[0], f"{root}/draft", lambda m: m.model.layers[-1].mlp.down_proj.weight.zero_())
+
+
+def _draft_spec(path: str, k: int = 3) -> dict:
+    return {"model": path, "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def draft_llm(gqa, draft):
+    return LLM(gqa[0], speculative_config=_draft_spec(draft), **ENGINE)
+
+
+@pytest.mark.parametrize("dp,pp,tp", MESHES, ids=str)
+def test_draft_model_greedy_equals_plain_decoding_and_transformers(gqa, plain, draft, draft_llm, dp, pp, tp):
+    path, refs = gqa
+    llm = draft_llm if (dp, pp, tp) == (1, 1, 1) else LLM(
+        path, speculative_config=_draft_spec(draft), tensor_parallel_size=tp, data_parallel_size=dp,
+        pipeline_parallel_size=pp, **ENGINE)
+    _check_greedy(llm, plain, refs, (dp, pp, tp))
+
+
+def test_the_draft_pool_follows_the_target(gqa, root):
+    """The target as its own draft: every proposal must stand, through chunked prefill, preemption and
+    prefix-cache hits, which holds only if the draft's pool has the keys of every token the target's has
+    (a stale or missing block would change its argmax). A one-layer draft (another KV layout) runs too."""
+    path, refs = gqa
+    llm = LLM(path, speculative_config=_draft_spec(path, 4), **ENGINE)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0)
+    assert _ids(llm.generate(PROMPTS, params)) == refs
+    longer = [PROMPTS[0] + refs[0][:10]] * 2                 # the second finds the first's blocks cached
+    outs = llm.generate(longer, SamplingParams(max_tokens=8, temperature=0.0))
+    assert outs[1].num_cached_tokens >= 16 and _ids(outs) == [refs[0][10:18]] * 2
+    c = llm.engine.core
+    assert c.stats["preemptions"] > 0 and c.spec.draft_tokens > 50 and c.spec.acceptance_rate == 1.0
+    one = _edited(path, f"{root}/one_layer", _truncated(1))
+    small = LLM(path, speculative_config=_draft_spec(one), **ENGINE)
+    assert small.engine.core.drafter.pool.layout.num_layers != c.pool.layout.num_layers
+    assert _ids(small.generate(PROMPTS, params)) == refs and small.engine.core.spec.draft_tokens > 0
+
+
+def test_a_draft_of_another_vocabulary_is_refused(gqa):
+    with pytest.raises(ValueError, match=r"the draft model's vocabulary \(1000 tokens\) differs from the target's"):
+        LLM(None, speculative_config=_draft_spec(gqa[0]), progress=False)
 
 
 # --- sampling -------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from tp_jax.parallel.mesh import DP, PP
 from tp_jax.serving import prompt_logprobs, sampling, structured
 from tp_jax.serving.batch import (MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch, chunk_blocks,
                                   fine_bucket, prefill_layout, sample_offsets, sampled_rows)
+from tp_jax.serving.draft_model import DraftModel
 from tp_jax.serving.engine_args import default
 from tp_jax.serving.kv_pool import plan_pool
 from tp_jax.serving.penalties import Penalties
@@ -119,7 +120,8 @@ class EngineOutput:
 
 
 class EngineCore:
-    def __init__(self, model: nnx.Module, mesh: Mesh, config: EngineConfig, eos_token_ids=()):
+    def __init__(self, model: nnx.Module, mesh: Mesh, config: EngineConfig, eos_token_ids=(), draft_model=None):
+        """`draft_model`: the loaded draft (nnx.Module, on `mesh`) of a draft-model speculative config."""
         self.config, self.mesh = config, mesh
         self.vocab_size = model.config.vocab_size
         self.eos = frozenset(int(t) for t in eos_token_ids)
@@ -141,6 +143,11 @@ class EngineCore:
         self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend)
         from tp_jax.models.attention import SPLIT_K_BACKENDS
         self.split_k = config.attention_backend in SPLIT_K_BACKENDS      # the batch carries decode chunks
+        spec = config.speculative
+        if (spec is not None and spec.method == "draft_model") != (draft_model is not None):
+            raise ValueError("EngineCore: pass draft_model exactly when speculative_config names a draft model")
+        self.drafter = None if draft_model is None else DraftModel(
+            draft_model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend, self.split_k)
         self.requests: dict[str, Request] = {}
         self.rng = np.random.default_rng(config.seed)
         self.spec = SpecCounters()                     # speculative decoding's totals (config.speculative)
@@ -208,7 +215,11 @@ class EngineCore:
         if out.empty:
             return []
         tables = [b.tables for b in self.scheduler.blocks]
+        if self.drafter is not None:
+            self._propose_with_draft_model(out, tables)
         batch = build_batch(out, tables, self.config.block_size, self.microbatches, split_k=self.split_k)
+        if self.drafter is not None:
+            self.drafter.follow(batch)                   # the draft's pool gets the step's tokens too
         plan = self._plan(batch)
         if jax.process_count() > 1:
             plan.bitmask = self._bitmask(batch)          # the followers need it in the plan
@@ -258,12 +269,29 @@ class EngineCore:
             return []                            # a prefill; penalties count outputs one step at a time
         k = min(spec.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
                 self.config.max_model_len - req.num_tokens)
-        draft = propose_ngram(req.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) if k > 0 else []
-        if req.matcher is not None and draft:    # cut at an end token, then where the grammar refuses
-            ends = self.eos | set(p.stop_token_ids)
+        if k <= 0:
+            return []
+        if self.drafter is not None:             # placeholders: the draft model fills them once slots are reserved
+            return [0] * k
+        return self._cut(req, propose_ngram(req.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min))
+
+    def _cut(self, req: Request, draft: list[int]) -> list[int]:
+        """A constrained request's draft up to an end token, then up to where the grammar refuses it."""
+        if req.matcher is not None and draft:
+            ends = self.eos | set(req.params.stop_token_ids)
             draft = draft[:next((i for i, t in enumerate(draft) if t in ends), len(draft))]
             draft = draft[:req.matcher.valid_prefix(draft)]
         return draft
+
+    def _propose_with_draft_model(self, out, tables) -> None:
+        """Fill the scheduled rows' draft placeholders from the draft model (tp_jax/serving/draft_model.py);
+        a constrained row's draft is cut as an n-gram one is, its row shortened (the spare slot's block is
+        freed after the step)."""
+        self.drafter.propose(out, tables, self.config.block_size)
+        for row in (row for rows in out.rows for row in rows if row.draft):
+            kept = self._cut(row.request, row.draft)
+            row.num_tokens -= len(row.draft) - len(kept)
+            row.draft = kept
 
     def _verify(self, batch, tokens) -> None:
         """Set each speculative row's `rejected` from the tokens its query rows sampled; add to the totals."""
@@ -420,6 +448,8 @@ class EngineCore:
             if jax.process_count() > 1:
                 broadcast_bytes(plan.to_bytes())
             self._execute(plan)
+        if self.drafter is not None:
+            self.drafter.warmup(self.warmup_shapes() if shapes is None else shapes)
         return sorted(self.runner.compiled_shapes)
 
     def kv_usage(self) -> tuple[int, int]:

@@ -88,6 +88,7 @@ class LLM:
         self.config = for_max_model_len(self.config, self.max_model_len)      # LongRoPE's factor set
         choose_microbatches(1, self.num_microbatches)              # bad values fail before the load
         self.engine_config = EngineConfig.from_setup(setup)
+        draft = self._open_draft(setup.speculative_config)               # a bad draft fails before the load
         if args.num_gpu_blocks is not None or args.kv_cache_memory_bytes is not None:     # a pool too small: fail now
             from tp_jax.loaders.model import abstract_model
             from tp_jax.serving.kv_pool import plan_pool
@@ -103,11 +104,40 @@ class LLM:
         self.quantization = describe_methods(self.model)
         self.attention_backend = setup.attention_backend
         use_layer_loop(self.model, self.mesh, self.layer_loop)
+        self.draft_model = self._load_draft(draft, args)
         self.seed, self.max_num_seqs = args.seed, args.max_num_seqs
         self.structured_outputs_config = {k: v for k, v in args.structured_outputs_config.items() if k != "backend"}
         self._forward = None
         self._engine = None
         self._tokenizer = None
+
+    def _open_draft(self, spec):
+        """(checkpoint, config) of a draft-model speculative config's draft, checked against the target."""
+        if spec is None or spec.model is None:
+            return None
+        from tp_jax.loaders.sources import open_checkpoint
+        from tp_jax.models.decoder import for_max_model_len
+        from tp_jax.serving.draft_model import check_draft
+        where = "LLM: speculative_config"
+        try:
+            checkpoint = open_checkpoint(spec.model)
+        except FileNotFoundError as e:
+            raise ValueError(f"{where}: the draft {e}") from None
+        config = for_max_model_len(checkpoint.config, self.max_model_len)
+        check_draft(self.config, config, self.max_model_len, where)
+        return checkpoint, config
+
+    def _load_draft(self, draft, args):
+        """The draft model of `_open_draft`, on this mesh in this dtype (tp_jax/serving/draft_model.py)."""
+        if draft is None:
+            return None
+        from tp_jax.loaders.model import load_from_source
+        from tp_jax.parallel.layers.stack import use_layer_loop
+        checkpoint, config = draft
+        model = load_from_source(config, checkpoint.source, self.mesh, self.dtype, args.progress,
+                                 check_weights=args.check_weights)
+        use_layer_loop(model, self.mesh, self.layer_loop)
+        return model
 
     @property
     def dp(self) -> int:
@@ -150,7 +180,7 @@ class LLM:
         if self._engine is None:
             from tp_jax.serving.engine import EngineCore
             from tp_jax.serving.llm_engine import LLMEngine
-            core = EngineCore(self.model, self.mesh, self.engine_config, self.eos_token_ids())
+            core = EngineCore(self.model, self.mesh, self.engine_config, self.eos_token_ids(), self.draft_model)
             self._engine = LLMEngine(core, self._tokenizer_or_none(), self.structured_outputs_config)
         return self._engine
 

@@ -80,6 +80,11 @@ class ModelRunner:
         self.compiled_shapes.add(batch.shape)
         return logits, (scored[0] if scored else None)
 
+    def greedy_tokens(self, batch) -> np.ndarray:
+        """The forward of one step and each sample row's argmax, i32[G, R] (draft proposals)."""
+        logits, _ = self.forward(batch)
+        return np.asarray(to_host(_greedy(logits, num_logprobs=0)), np.int32)[..., 0]
+
     def execute(self, plan: StepPlan, late_bitmask=None):
         """Forward and sample one step; (tokens[G, R], logprob[G, R], top_ids[G, R, N], top_lp[G, R, N], prompt)
         as numpy, `prompt` the scored prompt positions (i32[G, Q, 1 + 2k]) or None.

@@ -171,12 +171,11 @@ class Scheduler:
     def update(self, out: SchedulerOutput) -> None:
         """After the step ran (and speculative rows were verified, `rejected` set): the scheduled tokens
         but the rejected drafts are computed; full blocks join the prefix cache; blocks wholly past the
-        request's computed tokens and its next one (a rejected run's) are freed."""
+        request's computed tokens and its next one (rejected or dropped drafts') are freed."""
         for r, rows in enumerate(out.rows):
             for row in rows:
                 req = row.request
                 if req.status is Status.RUNNING:
                     req.num_computed_tokens = row.start + row.num_tokens - row.rejected
                     self.blocks[r].register_full_blocks(req)
-                    if row.rejected:
-                        self.blocks[r].trim(req, req.num_computed_tokens + 1)
+                    self.blocks[r].trim(req, req.num_computed_tokens + 1)     # no-op but after drafts

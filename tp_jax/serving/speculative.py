@@ -31,57 +31,71 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+_COMMON = {"method", "num_speculative_tokens", "disable_by_batch_size"}
+KEYS = {"ngram": _COMMON | {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": _COMMON | {"model"}}
+EXAMPLE = "{'method': 'ngram', 'num_speculative_tokens': 4, 'prompt_lookup_max': 4} or {'model': PATH, " \
+          "'num_speculative_tokens': 4}"
+
+
+def _positive(where: str, name: str, x, optional: bool = False):
+    if optional and x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
+        raise ValueError(f"{where}: {name}={x!r} must be an int >= 1" + (" or absent" if optional else ""))
+    return int(x)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str
+    method: str                                  # "ngram" | "draft_model"
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int | None = None         # ngram
+    prompt_lookup_min: int | None = None         # ngram
     disable_by_batch_size: int | None = None     # no proposals in a step when more requests run
+    model: str | None = None                     # draft_model: its checkpoint (tp_jax/serving/draft_model.py)
 
     @classmethod
     def parse(cls, value: dict | str | None, where: str = "speculative_config") -> SpeculativeConfig | None:
-        """vLLM's dict (or its JSON text); None stays None. ValueError naming the key and the fix."""
+        """vLLM's dict (or its JSON text); None stays None. ValueError naming the key and the fix. A `model`
+        without a method is a draft model (vLLM's inference)."""
         if value is None:
             return None
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except ValueError as e:
-                raise ValueError(f"{where}: not JSON ({e}); e.g. '{{\"method\": \"ngram\", "
-                                 f"\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}}'") from None
+                raise ValueError(f"{where}: not JSON ({e}); e.g. {EXAMPLE}") from None
         if not isinstance(value, dict):
-            raise ValueError(f"{where}={value!r} must be a dict, e.g. {{'method': 'ngram', "
-                             f"'num_speculative_tokens': 4, 'prompt_lookup_max': 4}}")
+            raise ValueError(f"{where}={value!r} must be a dict, e.g. {EXAMPLE}")
         v = dict(value)
-        if "model" in v and v.get("method") in (None, "draft_model"):
-            raise ValueError(f"{where}: a draft model ({v['model']!r}) is not supported by tp_jax yet; use "
-                             f"{{'method': 'ngram', ...}} (proposals from the prompt, no second model)")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}
-        unknown = sorted(set(v) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; tp_jax reads {sorted(known)}")
-        method = v.get("method")
+        method = v.get("method", "draft_model" if "model" in v else None)
         if method not in METHODS:
             raise ValueError(f"{where}: method={method!r} is not supported; choose one of {list(METHODS)} "
-                             f"(EAGLE, MTP and draft models are not built yet)")
+                             f"(EAGLE and MTP are not built yet), e.g. {EXAMPLE}")
+        if "draft_tensor_parallel_size" in v:
+            raise ValueError(f"{where}: draft_tensor_parallel_size is not read: the draft model runs on the "
+                             f"target's mesh (its dp, pp and tp); remove the key")
+        unknown = sorted(set(v) - KEYS[method])
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown} for method {method!r}; it reads "
+                             f"{sorted(KEYS[method])}")
+        k = _positive(where, "num_speculative_tokens", v.get("num_speculative_tokens"))
+        off = _positive(where, "disable_by_batch_size", v.get("disable_by_batch_size"), optional=True)
+        if method == "draft_model":
+            model = v.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError(f"{where}: model={model!r} must be the draft model's checkpoint (a path or a "
+                                 f"Hugging Face repo id)")
+            return cls(method, k, disable_by_batch_size=off, model=model)
         hi, lo = v.get("prompt_lookup_max"), v.get("prompt_lookup_min")
         if hi is None and lo is None:
             hi = lo = 5                                            # vLLM's default
-        hi, lo = (lo if hi is None else hi), (hi if lo is None else lo)
-        k, off = v.get("num_speculative_tokens"), v.get("disable_by_batch_size")
-        for name, x in (("num_speculative_tokens", k), ("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
-            if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
-                raise ValueError(f"{where}: {name}={x!r} must be an int >= 1")
+        hi = _positive(where, "prompt_lookup_max", lo if hi is None else hi)
+        lo = _positive(where, "prompt_lookup_min", hi if lo is None else lo)
         if lo > hi:
             raise ValueError(f"{where}: prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}")
-        if off is not None and (isinstance(off, bool) or not isinstance(off, (int, np.integer)) or off < 1):
-            raise ValueError(f"{where}: disable_by_batch_size={off!r} must be an int >= 1 or absent")
-        return cls(method, int(k), int(hi), int(lo), None if off is None else int(off))
+        return cls(method, k, hi, lo, off)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,16 +1,19 @@
-"""Speculative decoding (n-gram) against plain decoding on the same model, same run, one JSON line.
+"""Speculative decoding against plain decoding on the same model, same run, one JSON line.
 
     python scripts/bench_spec.py [--model PATH] [--tokens 128] [--k 5] [--lookup-max 4] [--lookup-min 2]
-                                 [--rounds 3] [--mixed-batch 32]
+                                 [--rounds 3] [--mixed-batch 32] [--draft PATH | --draft-layers N]
 
-Two engines over the same weights, one with `speculative_config={"method": "ngram", ...}`, one
-without, each asked the same greedy requests (`ignore_eos`, `--tokens` tokens each) in
+Two engines over the same weights, one with `speculative_config={"method": "ngram", ...}` (or,
+with `--draft`, a draft model: `{"model": PATH, ...}`; `--draft-layers N` writes one first: the
+target's first N layers with its final norm and head, a layer-skip draft made by transformers),
+one without, each asked the same greedy requests (`ignore_eos`, `--tokens` tokens each) in
 alternating rounds; each keeps its best round (this machine is shared). Workloads:
 * `quote`: batch 1, chat prompts that quote a passage of ~190 tokens back (repeat it, fix its typos,
   continue a list that repeats, rewrite it): where proposals from the prompt should stand;
 * `ordinary`: batch 1, prompts with nothing to copy;
 * `mixed`: `--mixed-batch` requests at once, half of each kind.
-Per workload: tokens/s of each engine, `speedup` (speculative / plain), the acceptance rate and
+Per workload: tokens/s of each engine (`plain_`, `ngram_` or `draft_model_tokens_per_s`),
+`speedup` (speculative / plain), the acceptance rate and
 the mean accepted length (1 + accepted drafts per verified step), and whether the greedy tokens
 are equal (they must be).
 """
@@ -53,7 +56,28 @@ def parse_args():
     ap.add_argument("--mixed-batch", type=int, nargs="+", default=[32])
     ap.add_argument("--quote-batch", type=int, nargs="+", default=[1], help="quote prompts at these batch sizes")
     ap.add_argument("--workloads", nargs="+", default=["quote", "ordinary", "mixed"])
+    ap.add_argument("--draft", default=None, help="a draft model's checkpoint instead of n-gram proposals")
+    ap.add_argument("--draft-layers", type=int, default=None, help="a layer-skip draft of the target's first N layers")
     return ap.parse_args()
+
+
+def layer_skip_draft(model: str | None, layers: int) -> str:
+    """The target's first `layers` layers, its final norm and head, as a safetensors checkpoint (transformers
+    reads the GGUF and dequantizes it); its directory."""
+    import tempfile
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tp_jax.loaders.default import default_model_path
+    path = model or default_model_path()
+    kw = dict(gguf_file=os.path.basename(path)) if path.endswith(".gguf") else {}
+    src = os.path.dirname(path) if kw else path
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw)
+    hf.model.layers = hf.model.layers[:layers]
+    hf.config.num_hidden_layers = layers
+    out = tempfile.mkdtemp(prefix=f"draft{layers}_")
+    hf.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(src, **kw).save_pretrained(out)
+    return out
 
 
 def main():
@@ -61,8 +85,11 @@ def main():
     from scripts.bench_decode import cpu_description
     from tp_jax.serving.llm import LLM
     from tp_jax.serving.sampling import SamplingParams
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
-            "prompt_lookup_min": args.lookup_min}
+    draft = layer_skip_draft(args.model, args.draft_layers) if args.draft_layers else args.draft
+    method = "ngram" if draft is None else "draft_model"
+    spec = {"method": method, "num_speculative_tokens": args.k}
+    spec.update({"prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min} if draft is None
+                else {"model": draft})
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
     plain = LLM(args.model, progress=False)
@@ -85,30 +112,31 @@ def main():
             for batch in batches:
                 llm.generate(batch, params)
     result = {"bench": "spec", "model": args.model or "embedded SmolLM2", "tokens": args.tokens,
-              "speculative_config": spec, "cpu": cpu_description(), "workloads": {}}
+              "speculative_config": spec, "draft_layers": args.draft_layers, "cpu": cpu_description(),
+              "workloads": {}}
     for name, batches in workloads.items():
-        best = {"plain": float("inf"), "ngram": float("inf")}
+        best = {"plain": float("inf"), method: float("inf")}
         tokens, counters = {}, None
         for _ in range(args.rounds):
-            for key, llm in (("plain", plain), ("ngram", fast)):
+            for key, llm in (("plain", plain), (method, fast)):
                 core = llm.engine.core
                 before = (core.spec.drafts, core.spec.draft_tokens, core.spec.accepted_tokens)
                 t = time.perf_counter()
                 outs = [o for batch in batches for o in llm.generate(batch, params)]
                 best[key] = min(best[key], time.perf_counter() - t)
                 tokens[key] = [o.outputs[0].token_ids for o in outs]
-                if key == "ngram":
+                if key == method:
                     counters = [a - b for a, b in zip((core.spec.drafts, core.spec.draft_tokens,
                                                        core.spec.accepted_tokens), before)]
         n = sum(len(t) for t in tokens["plain"])
         drafts, proposed, accepted = counters
         result["workloads"][name] = {
             "requests": sum(len(b) for b in batches), "batch": len(batches[0]),
-            "plain_tokens_per_s": round(n / best["plain"], 2), "ngram_tokens_per_s": round(n / best["ngram"], 2),
-            "speedup": round(best["plain"] / best["ngram"], 3),
+            "plain_tokens_per_s": round(n / best["plain"], 2), f"{method}_tokens_per_s": round(n / best[method], 2),
+            "speedup": round(best["plain"] / best[method], 3),
             "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
             "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
-            "greedy_equal": tokens["plain"] == tokens["ngram"]}
+            "greedy_equal": tokens["plain"] == tokens[method]}
     print(json.dumps(result))
 
 

@@ -183,7 +183,8 @@ class EngineArgs:
                                           "(guidance)", _structured)
     speculative_config: dict | None = arg(None, "speculative decoding, vLLM's keys: {\"method\": \"ngram\", "
                                           "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, "
-                                          "\"prompt_lookup_min\": m, \"disable_by_batch_size\": b} (None: off)",
+                                          "\"prompt_lookup_min\": m, \"disable_by_batch_size\": b}, or a draft "
+                                          "model: {\"model\": PATH, \"num_speculative_tokens\": k} (None: off)",
                                           _speculative)
     compile_cache: bool | str = arg(True, "JAX's persistent compilation cache: True (~/.cache/tp_jax/xla or "
                                     "$TP_JAX_COMPILE_CACHE), False, or a directory", _compile_cache)

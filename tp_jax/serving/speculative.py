@@ -1,11 +1,13 @@
-"""Speculative decoding (vLLM's `speculative_config`): n-gram proposals, verified in one step.
+"""Speculative decoding (vLLM's `speculative_config`): n-gram or draft-model proposals, verified in one step.
 
     LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    LLM(model, speculative_config={"model": "path/to/draft", "num_speculative_tokens": 4})
 
-Before a step the engine asks `propose` for each running request in decode: the k tokens that
+Before a step the engine asks `propose_ngram` for each running request in decode: the k tokens that
 followed the earliest earlier occurrence of its longest suffix n-gram (prompt_lookup_max down
-to prompt_lookup_min tokens; vLLM's rule), from its prompt and output, on the host. The step
+to prompt_lookup_min tokens; vLLM's rule), from its prompt and output, on the host; or, with a
+draft model, k greedy tokens of the draft (tp_jax/serving/draft_model.py). The step
 then carries the request as 1 + k decode rows (its newest token, then each draft, at
 consecutive positions, one block table): one forward gives the target's logits after each
 prefix, and every row is sampled as its own decode step would be (the same PRNG key and

@@ -234,6 +234,21 @@ def test_the_draft_pool_follows_the_target(gqa, draft_llm):
     assert (other.drafter.pool.layout.num_layers, c.pool.layout.num_layers) == (3, 2)
 
 
+def test_the_kv_budget_pays_for_both_pools():
+    """A byte budget buys blocks of the target's and the draft's KV together (both pools have that many)."""
+    from tp_jax.models.cache import KVLayout
+    import jax
+    from tp_jax.parallel.mesh import make_mesh
+    from tp_jax.serving.kv_pool import block_bytes_per_device, plan_pool
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    target, draft = KVLayout(2, 2, 16, np.dtype(np.float32)), KVLayout(3, 1, 8, np.dtype(np.float32))
+    both = sum(block_bytes_per_device(x, 4, (1, 1, 1)) for x in (target, draft))
+    assert both == 2 * 4 * 4 * (2 * 2 * 16 + 3 * 1 * 8)                    # K and V, f32, block of 4 tokens
+    plan = lambda **kw: plan_pool(target, mesh, block_size=4, max_model_len=64, max_num_seqs=64,  # noqa: E731
+                                  kv_cache_memory_bytes=50 * both, **kw).num_blocks
+    assert plan(draft_layout=draft) == 50 and plan() == 50 * both // block_bytes_per_device(target, 4, (1, 1, 1))
+
+
 def test_a_draft_of_another_vocabulary_is_refused(gqa):
     with pytest.raises(ValueError, match=r"the draft model's vocabulary \(1000 tokens\) differs from the target's"):
         LLM(None, speculative_config=_draft_spec(gqa[0]), progress=False)

@@ -129,10 +129,12 @@ class EngineCore:
         self.microbatches = pp if config.num_microbatches is None else config.num_microbatches
         if self.microbatches < 1:
             raise ValueError(f"num_microbatches={self.microbatches} must be >= 1")
+        draft_layout = None if draft_model is None else draft_model.kv_layout()     # its pool: the same blocks
         plan = lambda blocks: plan_pool(model.kv_layout(), mesh, block_size=config.block_size,
                                         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                                         num_gpu_blocks=blocks, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                                        gpu_memory_utilization=config.gpu_memory_utilization)
+                                        gpu_memory_utilization=config.gpu_memory_utilization,
+                                        draft_layout=draft_layout)
         # every process must build the same pool: the driver decides its size from its own budget
         self.pool = plan(share_from_driver(lambda: plan(config.num_gpu_blocks).num_blocks))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,

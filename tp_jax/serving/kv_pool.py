@@ -17,7 +17,9 @@ the [kv head, position, hd] layout its dots want (tp_jax/models/attention.py). M
   `max_model_len` tokens (a busy host must not make the engine refuse to start).
 
 The pool never holds more blocks than `max_num_seqs` sequences of `max_model_len` tokens can
-use, and must hold at least one sequence of `max_model_len` tokens.
+use, and must hold at least one sequence of `max_model_len` tokens. With a speculative draft model
+(tp_jax/serving/draft_model.py) the draft has a pool of the same block count: a block's bytes in
+the budget are then both models' (`draft_layout`).
 """
 
 from __future__ import annotations
@@ -98,10 +100,10 @@ def _available_ram() -> int:
 
 def plan_pool(layout: KVLayout, mesh: Mesh, *, block_size: int, max_model_len: int, max_num_seqs: int,
               num_gpu_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-              gpu_memory_utilization: float = 0.9) -> PoolShape:
+              gpu_memory_utilization: float = 0.9, draft_layout: KVLayout | None = None) -> PoolShape:
     """The pool's size per replica, or a ValueError naming the numbers and the fix."""
     mesh_shape = (mesh.shape[DP], mesh.shape[PP], mesh.shape[TP])
-    per_block = block_bytes_per_device(layout, block_size, mesh_shape)
+    per_block = sum(block_bytes_per_device(x, block_size, mesh_shape) for x in (layout, draft_layout) if x)
     per_seq = math.ceil(max_model_len / block_size)
     if num_gpu_blocks is not None:
         num, source = int(num_gpu_blocks), f"num_gpu_blocks={num_gpu_blocks}"

@@ -92,9 +92,11 @@ class LLM:
         if args.num_gpu_blocks is not None or args.kv_cache_memory_bytes is not None:     # a pool too small: fail now
             from tp_jax.loaders.model import abstract_model
             from tp_jax.serving.kv_pool import plan_pool
-            plan_pool(abstract_model(self.config, self.mesh, self.dtype).kv_layout(), self.mesh,
-                      block_size=args.block_size, max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
-                      num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+            layout = lambda config: abstract_model(config, self.mesh, self.dtype).kv_layout()     # noqa: E731
+            plan_pool(layout(self.config), self.mesh, block_size=args.block_size, max_model_len=self.max_model_len,
+                      max_num_seqs=args.max_num_seqs, num_gpu_blocks=args.num_gpu_blocks,
+                      kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                      draft_layout=None if draft is None else layout(draft[1]))
         self.layer_loop = setup.layer_loop
         self.model = load_from_source(self.config, source, self.mesh, self.dtype, args.progress,
                                       check_weights=args.check_weights, quantization=setup.quantization,

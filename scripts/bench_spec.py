@@ -62,21 +62,22 @@ def parse_args():
 
 
 def layer_skip_draft(model: str | None, layers: int) -> str:
-    """The target's first `layers` layers, its final norm and head, as a safetensors checkpoint (transformers
-    reads the GGUF and dequantizes it); its directory."""
+    """The target's first `layers` layers, its final norm and head, as a float32 safetensors checkpoint (a GGUF
+    is converted first, by tp_jax's converter); its directory."""
     import tempfile
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tp_jax.loaders.convert import convert_gguf
     from tp_jax.loaders.default import default_model_path
-    path = model or default_model_path()
-    kw = dict(gguf_file=os.path.basename(path)) if path.endswith(".gguf") else {}
-    src = os.path.dirname(path) if kw else path
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw)
+    src = model or default_model_path()
+    if src.endswith(".gguf"):
+        convert_gguf(src, src := tempfile.mkdtemp(prefix="target_"), "float32")
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     hf.model.layers = hf.model.layers[:layers]
     hf.config.num_hidden_layers = layers
     out = tempfile.mkdtemp(prefix=f"draft{layers}_")
     hf.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(src, **kw).save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
     return out
 
 

@@ -249,6 +249,16 @@ def test_the_kv_budget_pays_for_both_pools():
     assert plan(draft_layout=draft) == 50 and plan() == 50 * both // block_bytes_per_device(target, 4, (1, 1, 1))
 
 
+def test_a_draft_too_short_for_max_model_len_is_refused():
+    from types import SimpleNamespace
+    from tp_jax.serving.draft_model import check_draft
+    target, draft = (SimpleNamespace(vocab_size=1000, max_position_embeddings=n) for n in (4096, 512))
+    with pytest.raises(ValueError, match=r"the draft model reaches 512 positions, fewer than max_model_len=1024; "
+                                         r"lower max_model_len"):
+        check_draft(target, draft, 1024, "LLM: speculative_config")
+    check_draft(target, draft, 512, "LLM: speculative_config")                   # enough: no error
+
+
 def test_a_draft_of_another_vocabulary_is_refused(gqa):
     with pytest.raises(ValueError, match=r"the draft model's vocabulary \(1000 tokens\) differs from the target's"):
         LLM(None, speculative_config=_draft_spec(gqa[0]), progress=False)

@@ -29,6 +29,9 @@ os.environ.setdefault("TP_JAX_CPU_KV_CACHE_BYTES", str(512 * 2**20))
 os.environ.setdefault("TP_JAX_TOKENIZER_CACHE", __import__("tempfile").mkdtemp(prefix="tp_jax_tok_"))
 # JAX's persistent compilation cache (on by default in LLM) in a directory of this session, never ~/.cache
 os.environ.setdefault("TP_JAX_COMPILE_CACHE", __import__("tempfile").mkdtemp(prefix="tp_jax_xla_"))
+# every program, however fast it compiled (at -O0 most compile in under LLM's 0.5 s threshold): the suite builds
+# the same model at the same mesh many times over, and an identical program is then read, not compiled again
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402

@@ -45,6 +45,9 @@ def __getattr__(name):
     if name == "StructuredOutputsParams":
         from tp_jax.serving.structured import StructuredOutputsParams
         return StructuredOutputsParams
+    if name == "LoRARequest":
+        from tp_jax.serving.lora import LoRARequest
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput", "StreamEvent"):
         from tp_jax.serving import outputs
         return getattr(outputs, name)
@@ -52,7 +55,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "StreamEvent",
+    "LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "RequestOutput", "CompletionOutput", "StreamEvent",
     "AXES", "DP", "PP", "TP", "make_mesh",
     "all_gather", "all_reduce", "broadcast", "reduce_scatter", "send_to_next", "send_to_prev",
     "set_all_reduce_thresholds",

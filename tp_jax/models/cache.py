@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tp_jax.parallel import collectives
+from tp_jax.parallel.layers import lora
 from tp_jax.parallel.layers.stack import Stack
 from tp_jax.parallel.mesh import PP
 from tp_jax.parallel.pipeline import run_pipeline
@@ -105,21 +106,22 @@ def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache 
 
     `slot_args(slot) -> tuple` (None: the layers are alike): more arguments for the layer at global stacked slot
     `slot` (a traced int32: the stage's first slot + the local index), e.g. its index for per-layer tables."""
-    rows = (positions, None if cache is None else cache.batch)
+    rows = (positions, None if cache is None else cache.batch, lora.token_slots())   # LoRA: each token's adapter
     pools = None if cache is None else (cache.k, cache.v)
     backend = "reference" if cache is None else cache.backend
 
     def stage(h, rows, pools, valid):
-        pos, batch = rows
+        pos, batch, slots = rows
         batch = None if batch is None else batch.masked(valid)
         pp = collectives.axis_size(PP)
         first = 0 if slot_args is None or pp == 1 else collectives.axis_index(PP) * (stack.num_layers // pp)
 
         def layer_step(layer, index, h, pools):
             more = () if slot_args is None else slot_args(first + index)
-            if pools is None:
-                return layer(h, pos, None, *more)[0], None
-            h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend), *more)
+            with lora.layer(index, slots):
+                if pools is None:
+                    return layer(h, pos, None, *more)[0], None
+                h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend), *more)
             return h, (lc.k, lc.v)
 
         return stack(layer_step, h, pools)

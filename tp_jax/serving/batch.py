@@ -107,6 +107,7 @@ class StepBatch:
     prefill_index: np.ndarray    # i32[G, P, T]
     logits_index: np.ndarray     # i32[G, D + P]
     rows: list[list[ScheduledRow | None]]
+    lora_slots: np.ndarray | None = None    # i32[G, N]: each token's adapter slot (-1: none); not packed
 
     ARRAYS = ("ids", "positions", "slots", "decode_tables", "chunk_tables", "chunk_row", "chunk_start",
               "prefill_tables", "prefill_index", "logits_index")
@@ -210,6 +211,7 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
     pre_tables = np.zeros((g_n, p, s.prefill_blocks), np.int32)
     pre_index = np.full((g_n, p, s.prefill_width), n, np.int32)
     logits_index = np.zeros((g_n, d + p), np.int32)
+    lora_slots = np.full((g_n, n), -1, np.int32)
     sample_rows: list[list[ScheduledRow | None]] = []
     for g, (replica, (dec, pre)) in enumerate(groups):
         mine: list[ScheduledRow | None] = [None] * (d + p)
@@ -217,6 +219,7 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
             _fill(row, tables[replica][row.request.request_id], block_size, i, ids[g], pos[g], slots[g],
                   dec_tables[g, i], j)
             logits_index[g, i] = i
+            lora_slots[g, i] = row.request.lora_slot
             mine[i] = row
         if split_k:
             split_decode_rows([r.start + j + 1 for r, j in queries[g]], dec_tables[g], block_size, chunk_tables[g],
@@ -230,12 +233,13 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
                 pre_index[g, j, :min(t, row.num_tokens - c)] = np.arange(off + c, off + min(c + t, row.num_tokens))
                 pre_tables[g, j] = pre_tables[g, first]
                 j += 1
+            lora_slots[g, off:off + row.num_tokens] = row.request.lora_slot
             off += row.num_tokens
             logits_index[g, d + j - 1] = off - 1
             mine[d + j - 1] = row
         sample_rows.append(mine)
     return StepBatch(s, ids, pos, slots, dec_tables, chunk_tables, chunk_row, chunk_start, pre_tables, pre_index,
-                     logits_index, sample_rows)
+                     logits_index, sample_rows, lora_slots)
 
 
 def sample_offsets(rows: list[ScheduledRow | None]) -> list[int]:

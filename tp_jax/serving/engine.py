@@ -68,6 +68,10 @@ class EngineConfig:
     seed: int = default("seed")
     attention_backend: str = "reference"          # tp_jax/models/attention.py PAGED_BACKENDS
     speculative: SpeculativeConfig | None = None  # tp_jax/serving/speculative.py
+    enable_lora: bool = False                     # LoRA adapters (tp_jax/serving/lora.py)
+    max_loras: int = default("max_loras")
+    max_lora_rank: int = default("max_lora_rank")
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_setup(cls, setup) -> EngineConfig:
@@ -78,7 +82,8 @@ class EngineConfig:
                    num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                    gpu_memory_utilization=a.gpu_memory_utilization, enable_prefix_caching=a.enable_prefix_caching,
                    num_microbatches=setup.num_microbatches, seed=a.seed, attention_backend=setup.attention_backend,
-                   speculative=setup.speculative_config)
+                   speculative=setup.speculative_config, enable_lora=a.enable_lora, max_loras=a.max_loras,
+                   max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras)
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
@@ -137,12 +142,22 @@ class EngineCore:
                                         draft_layout=draft_layout)
         # every process must build the same pool: the driver decides its size from its own budget
         self.pool = plan(share_from_driver(lambda: plan(config.num_gpu_blocks).num_blocks))
+        self.lora = self.lora_slots = None
+        if config.enable_lora:                         # adapters' device slots, built before the runner marks...
+            from tp_jax.serving.lora import LoRASlots, LoRAWeights
+            if jax.process_count() > 1:
+                raise ValueError("enable_lora: LoRA adapters are served on one process; run a single host")
+            self.lora = LoRAWeights(model, mesh, config.max_loras, config.max_lora_rank)
+            self.lora_slots = LoRASlots(config.max_loras, config.max_cpu_loras or config.max_loras)
+            self.lora_loaded: list[int | None] = [None] * config.max_loras      # the adapter each slot holds
+        self.model = model
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.block_size, self.pool.num_blocks, dp,
-                                                   config.enable_prefix_caching))
+                                                   config.enable_prefix_caching), self.lora_slots)
         replicated = NamedSharding(mesh, jax.P())
         self.penalties = Penalties(config.max_num_seqs * dp, self.vocab_size, lambda x: to_global(x, replicated))
-        self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend)
+        self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend,
+                                  self.lora)
         from tp_jax.models.attention import SPLIT_K_BACKENDS
         self.split_k = config.attention_backend in SPLIT_K_BACKENDS      # the batch carries decode chunks
         spec = config.speculative
@@ -158,7 +173,7 @@ class EngineCore:
 
     # --- requests -------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float | None = None, matcher=None) -> Request:
+            arrival_time: float | None = None, matcher=None, lora_request=None) -> Request:
         """Queue a request the front door prepared (LLMEngine.prepare: its id is new, its params are a
         SamplingParams with n == 1 and its prompt passed `check`); it joins the next step. `matcher`:
         the structured-outputs grammar state (serving/structured.py Matcher) compiled from
@@ -169,7 +184,7 @@ class EngineCore:
         words = sampling.key_words(params.seed, tuple(int(w) for w in self.rng.integers(0, 2**32, size=2)))
         req = Request(request_id, len(ids), ids, params, max_tokens, words,
                       time.monotonic() if arrival_time is None else arrival_time,
-                      sample_floats=sampling.row_floats(params), matcher=matcher)
+                      sample_floats=sampling.row_floats(params), matcher=matcher, lora=lora_request)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -196,6 +211,32 @@ class EngineCore:
                 raise ValueError(f"{where}: {name}={getattr(params, name)} exceeds the limit of {limit} "
                                  f"(max_logprobs, and the vocabulary size {self.vocab_size})")
 
+    def check_lora(self, lora_request, where: str) -> None:
+        """ValueError for an adapter this engine cannot serve (LoRA off, a bad directory, config or rank); a good
+        one is remembered (its header read, not its tensors)."""
+        if lora_request is None:
+            return
+        from tp_jax.serving.lora import LoRARequest, read_adapter
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"{where}: lora_request must be a tp_jax.LoRARequest, got {type(lora_request).__name__}")
+        if self.lora is None:
+            raise ValueError(f"{where}: a lora_request needs LLM(..., enable_lora=True)")
+        known = self.lora_slots.known.get(lora_request.lora_int_id)
+        if known is not None and known.request == lora_request:
+            return
+        try:
+            self.lora_slots.register(read_adapter(lora_request, self.model, self.config.max_lora_rank))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def _load_adapters(self) -> None:
+        """Write the adapters the scheduler just gave slots into the device slots that do not hold them yet."""
+        for slot, lora_id in enumerate(self.lora_slots.held):
+            if lora_id is not None and self.lora_loaded[slot] != lora_id:
+                adapter = self.lora_slots.known[lora_id]
+                self.lora.load(slot, adapter, self.lora_slots.tensors(lora_id))
+                self.lora_loaded[slot] = lora_id
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
         req = self.requests.pop(request_id, None)
@@ -217,6 +258,8 @@ class EngineCore:
         if out.empty:
             return []
         tables = [b.tables for b in self.scheduler.blocks]
+        if self.lora is not None:
+            self._load_adapters()
         if self.drafter is not None:
             self._propose_with_draft_model(out, tables)
         batch = build_batch(out, tables, self.config.block_size, self.microbatches, split_k=self.split_k)

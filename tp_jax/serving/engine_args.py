@@ -178,6 +178,13 @@ class EngineArgs:
                           choices=LAYER_LOOPS)
     enable_expert_parallel: bool = arg(False, "MoE models: whole experts on the dp x tp devices of each stage "
                                        "(default: each expert split over tp)", flag)
+    enable_lora: bool = arg(False, "serve LoRA adapters (PEFT's format) beside the base model, one per request "
+                            "(lora_request)", flag)
+    max_loras: int = arg(1, "LoRA: adapters one step can serve (device slots)", count(" (LoRA adapters per step)"))
+    max_lora_rank: int = arg(16, "LoRA: the largest adapter rank accepted (every slot's width)",
+                             count(" (the largest LoRA rank)"))
+    max_cpu_loras: int | None = arg(None, "LoRA: adapters kept in host memory (None: max_loras)",
+                                    count(" (LoRA adapters in host memory; None: max_loras)", optional=True))
     structured_outputs_config: dict = arg({}, "defaults for every constrained answer, vLLM's: "
                                           "disable_any_whitespace, disable_additional_properties, backend "
                                           "(guidance)", _structured)

@@ -13,13 +13,13 @@ from collections.abc import Iterator
 
 from tp_jax.multihost.distributed import is_driver
 from tp_jax.serving.outputs import RequestOutput, StreamEvent
-from tp_jax.serving.prompts import per_prompt_params, split_prompts
+from tp_jax.serving.prompts import per_prompt_adapters, per_prompt_params, split_prompts
 
 _calls = itertools.count()
 
 
 class Generation:
-    def __init__(self, llm, prompts, sampling_params):
+    def __init__(self, llm, prompts, sampling_params, lora_request=None):
         self.llm = llm
         self.driver = is_driver()
         self.results: dict[int, RequestOutput] = {}
@@ -27,6 +27,7 @@ class Generation:
             return
         self.prompts = split_prompts(prompts)
         self.params = per_prompt_params(sampling_params, len(self.prompts))
+        self.adapters = per_prompt_adapters(lora_request, len(self.prompts))
         self.base = f"gen{next(_calls)}"
 
     def events(self, with_text: bool = True) -> Iterator[StreamEvent]:
@@ -39,8 +40,8 @@ class Generation:
         sent: dict[tuple[int, int], tuple[int, int]] = {}             # (prompt, sample) -> (tokens, chars)
         added: list[str] = []
         try:
-            prepared = [engine.prepare(p, sp, f"prompt {i}")             # every prompt checked before any runs
-                        for i, (p, sp) in enumerate(zip(self.prompts, self.params))]
+            prepared = [engine.prepare(p, sp, f"prompt {i}", lr)      # every prompt checked before any runs
+                        for i, (p, sp, lr) in enumerate(zip(self.prompts, self.params, self.adapters))]
             for rid, req in zip(ids, prepared):
                 engine.add_request(rid, req, stream=with_text)
                 added.append(rid)

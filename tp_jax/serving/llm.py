@@ -207,31 +207,34 @@ class LLM:
             raise ValueError(f"{self.model_path!r} has no tokenizer files; pass token-id lists instead of text")
         return tok
 
-    def start(self, prompts, sampling_params=None):
+    def start(self, prompts, sampling_params=None, lora_request=None):
         """A Generation: iterate `.events()` (StreamEvents as tokens are sampled), then `.outputs()`."""
         from tp_jax.serving.generation import Generation
-        return Generation(self, prompts, sampling_params)
+        return Generation(self, prompts, sampling_params, lora_request)
 
-    def generate(self, prompts, sampling_params=None) -> list:
+    def generate(self, prompts, sampling_params=None, lora_request=None) -> list:
         """prompts: a string, a list of strings, a token-id list, a list of token-id lists (or a 2-D
-        integer array), or {"prompt": ...} / {"prompt_token_ids": ...} dicts. One RequestOutput each."""
-        gen = self.start(prompts, sampling_params)
+        integer array), or {"prompt": ...} / {"prompt_token_ids": ...} dicts. One RequestOutput each.
+        `lora_request`: a LoRARequest for every prompt, or a list with one (or None) per prompt
+        (`enable_lora=True`)."""
+        gen = self.start(prompts, sampling_params, lora_request)
         for _ in gen.events(with_text=False):
             pass
         return gen.outputs()
 
-    def generate_stream(self, prompts, sampling_params=None):
+    def generate_stream(self, prompts, sampling_params=None, lora_request=None):
         """Yields a StreamEvent per generated token, as soon as it is sampled."""
-        yield from self.start(prompts, sampling_params).events()
+        yield from self.start(prompts, sampling_params, lora_request).events()
 
-    def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True) -> list:
+    def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
+             lora_request=None) -> list:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
         convs = chat_conversations(messages)
         tok = self.get_tokenizer()
         texts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=False)
                  for c in convs]
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]
-        outs = self.generate(ids, sampling_params)
+        outs = self.generate(ids, sampling_params, lora_request)
         for o, t in zip(outs, texts):
             o.prompt = t
         return outs

@@ -36,6 +36,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     samples: list[SamplingParams]            # one per sample (n > 1 fans out; sample i seeded seed + i)
     where: str
+    lora_request: object | None = None       # its adapter (tp_jax/serving/lora.py LoRARequest), None: the base
 
 
 class LLMEngine:
@@ -48,7 +49,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer, core.vocab_size, core.eos)
 
-    def prepare(self, prompt, params: SamplingParams | None, where: str) -> PreparedRequest:
+    def prepare(self, prompt, params: SamplingParams | None, where: str, lora_request=None) -> PreparedRequest:
         """The request `prompt` + `params` prepared for `add_request`, or the ValueError / TypeError (naming
         `where`) it would raise; nothing is queued. The front doors prepare every prompt of a call before
         they queue any."""
@@ -72,32 +73,36 @@ class LLMEngine:
                 self.grammars.grammar(params.structured_outputs)      # compiled (and cached) before anything runs
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
-        return PreparedRequest(text, ids, samples, where)
+        self.core.check_lora(lora_request, where)
+        return PreparedRequest(text, ids, samples, where, lora_request)
 
     def _matcher(self, params: SamplingParams):
         so = params.structured_outputs
         return None if so is None else self.grammars.matcher(so)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, stream: bool = False) -> None:
+                    arrival_time: float | None = None, stream: bool = False, lora_request=None) -> None:
         """Queue a request: `prompt` + `params` (prepared here; errors start with "request <id>"), or a
         PreparedRequest from `prepare` (then `params` is None). `stream`: keep its text current every step
-        (otherwise text is decoded when it finishes, or per token for stop strings)."""
+        (otherwise text is decoded when it finishes, or per token for stop strings). `lora_request`: the
+        request's LoRA adapter (a PreparedRequest carries its own)."""
         if not isinstance(request_id, str) or request_id in self.processor.states:
             raise ValueError(f"request id {request_id!r} is already in use (or not a string); give a new one")
         if isinstance(prompt, PreparedRequest):
-            if params is not None:
-                raise TypeError("add_request: a PreparedRequest carries its own sampling params; pass params=None")
+            if params is not None or lora_request is not None:
+                raise TypeError("add_request: a PreparedRequest carries its own sampling params and adapter; pass "
+                                "params=None and lora_request=None")
             prepared = prompt
         else:
-            prepared = self.prepare(prompt, params, f"request {request_id}")
+            prepared = self.prepare(prompt, params, f"request {request_id}", lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_ids = [f"{request_id}#{next(self._ids)}" for _ in prepared.samples]
         state = RequestState(request_id, prepared.prompt, prepared.prompt_token_ids,
                              [_Sample(p) for p in prepared.samples], RequestMetrics(arrival))
         self.processor.add(state, core_ids, stream)
         for cid, p in zip(core_ids, prepared.samples):             # n > 1: a matcher per sample
-            self.core.add(cid, prepared.prompt_token_ids, p, arrival, matcher=self._matcher(p))
+            self.core.add(cid, prepared.prompt_token_ids, p, arrival, matcher=self._matcher(p),
+                          lora_request=prepared.lora_request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now (all its samples); its final output, or None if unknown or finished."""

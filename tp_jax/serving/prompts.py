@@ -83,3 +83,13 @@ def per_prompt_params(sp, n: int) -> list:
         raise ValueError(f"generate: got {len(sp)} sampling params for {n} prompts; pass one SamplingParams "
                          f"or one per prompt")
     return sp
+
+
+def per_prompt_adapters(lora_request, n: int) -> list:
+    """One LoRARequest (or None: the base model) per prompt, from one or a list of them."""
+    if lora_request is None or not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise ValueError(f"generate: got {len(lora_request)} lora_requests for {n} prompts; pass one LoRARequest "
+                         f"(or None) or one per prompt")
+    return list(lora_request)

@@ -46,6 +46,8 @@ class Request:
     prompt_logprobs: list = dataclasses.field(default_factory=lambda: [None])   # scored so far (prompt_logprobs.py)
     matcher: object | None = None    # structured outputs: its grammar's state (serving/structured.py Matcher)
     draft: list[int] = dataclasses.field(default_factory=list)   # speculative tokens for the next step
+    lora: object | None = None       # its LoRARequest (tp_jax/serving/lora.py), None: the base model
+    lora_slot: int = -1              # the device slot its adapter holds while it runs
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +70,10 @@ class Request:
         """It asks for prompt logprobs and does not have them all yet (tp_jax/serving/prompt_logprobs.py)."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len
 
+    def cache_salt(self) -> bytes:
+        """The first block's parent hash: a prefix computed under an adapter is that adapter's alone."""
+        return b"" if self.lora is None else f"lora:{self.lora.lora_int_id}".encode()
+
     def hashes_upto(self, num_blocks: int, block_size: int) -> list[bytes]:
         """The content hashes of the first `num_blocks` full blocks (computed once, on demand).
 
@@ -77,7 +83,7 @@ class Request:
         num_blocks = min(num_blocks, self.num_tokens // block_size)
         while len(self.block_hashes) < num_blocks:
             i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if i else b""
+            parent = self.block_hashes[-1] if i else self.cache_salt()
             chunk = np.asarray(self.token_ids[i * block_size:(i + 1) * block_size], np.int32).tobytes()
             self.block_hashes.append(hashlib.sha256(parent + chunk).digest())
         return self.block_hashes[:num_blocks]

@@ -17,6 +17,7 @@ Both are jitted once per shape and flag set; `compiled_shapes` lists the forward
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -28,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tp_jax.models.cache import KVCache, PagedBatch
 from tp_jax.multihost.distributed import to_global, to_host
 from tp_jax.parallel.invariant import consistent_jit
+from tp_jax.parallel.layers import lora as lora_layers
 from tp_jax.parallel.mesh import DP
 from tp_jax.serving import prompt_logprobs, sampling
 from tp_jax.serving.batch import StepShape, unpack
@@ -40,30 +42,35 @@ from tp_jax.serving.structured import apply_bitmask
 
 class ModelRunner:
     def __init__(self, model: nnx.Module, mesh: Mesh, pool: PoolShape, microbatches: int, penalties: Penalties,
-                 attention_backend: str = "reference"):
-        self.mesh, self.pool, self.penalties = mesh, pool, penalties
+                 attention_backend: str = "reference", lora=None):
+        """`lora`: the adapters' device slots (tp_jax/serving/lora.py LoRAWeights), built before this (it marks
+        the target layers); each step then passes them and every token's slot."""
+        self.mesh, self.pool, self.penalties, self.lora = mesh, pool, penalties, lora
         graphdef, state = nnx.split(model)
         specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, P))
         self.weights, treedef = jax.tree.flatten(state)     # flat: an nnx State costs ms to flatten per call
         self.k, self.v = new_pool(pool, mesh)
         self.compiled_shapes: set[StepShape] = set()
 
-        def forward(weights, packed, k, v, *prompt, shape, prompt_k):
+        def forward(weights, packed, k, v, adapters, *prompt, shape, prompt_k):
             a = unpack(packed, shape)
             m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
             paged = PagedBatch(*(a[k] for k in PagedBatch.FIELDS))
             cache = KVCache(k, v, paged, attention_backend)
-            h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches)
+            with lora_layers.active(*adapters) if adapters else contextlib.nullcontext():
+                h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches)
             last = jnp.take_along_axis(h, a["logits_index"][..., None], axis=1)     # [M, R, D]
             scored = tuple(prompt_logprobs.compute(m, h, x, prompt_k) for x in prompt)   # () unless asked
             return m.logits(last), cache.k, cache.v, *scored
 
-        def sharded(weights, packed, k, v, *prompt, shape, prompt_k=0):
+        adapter_specs = () if lora is None else (lora.specs(), P(DP))
+
+        def sharded(weights, packed, k, v, adapters, *prompt, shape, prompt_k=0):
             extra = (P(DP),) * len(prompt)
             fn = jax.shard_map(functools.partial(forward, shape=shape, prompt_k=prompt_k), mesh=mesh,
-                               in_specs=(specs, P(DP), POOL_SPEC, POOL_SPEC, *extra),
+                               in_specs=(specs, P(DP), POOL_SPEC, POOL_SPEC, adapter_specs, *extra),
                                out_specs=(P(DP), POOL_SPEC, POOL_SPEC, *extra), check_vma=False)
-            return fn(weights, packed, k, v, *prompt)
+            return fn(weights, packed, k, v, adapters, *prompt)
 
         self._forward = consistent_jit(sharded, donate_argnums=(2, 3), static_argnames=("shape", "prompt_k"))
 
@@ -74,8 +81,10 @@ class ModelRunner:
         """Run the model on one step's tokens, writing their k/v; logits [G, D + P, V] stay on device.
         With a PromptPlan, also the scored prompt positions (prompt_logprobs.compute), else None."""
         extra = () if prompt is None else (self.put(prompt.packed()),)
+        adapters = () if self.lora is None else (self.lora.args(), self.put(batch.lora_slots if batch.lora_slots
+                                                 is not None else np.full(batch.ids.shape, -1, np.int32)))
         logits, self.k, self.v, *scored = self._forward(self.weights, self.put(batch.packed()), self.k, self.v,
-                                                        *extra, shape=batch.shape,
+                                                        adapters, *extra, shape=batch.shape,
                                                         prompt_k=0 if prompt is None else prompt.k)
         self.compiled_shapes.add(batch.shape)
         return logits, (scored[0] if scored else None)

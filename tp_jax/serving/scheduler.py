@@ -72,8 +72,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: SchedulerConfig, lora=None):
+        """`lora`: the LoRA slot table (tp_jax/serving/lora.py LoRASlots) when adapters are served: a request
+        with an adapter is admitted only once its adapter holds a device slot."""
+        self.cfg, self.lora = cfg, lora
         self.blocks = [BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
                        for _ in range(cfg.num_replicas)]
         self.waiting: collections.deque[Request] = collections.deque()
@@ -109,17 +111,25 @@ class Scheduler:
         for r in range(n):
             self._schedule_running(r, out, budget)
         blocked = [any(p.replica == r for p in out.preempted) for r in range(n)]
+        in_use = {q.lora_slot for rows in self.running for q in rows if q.lora is not None}
         while self.waiting:
             req = self.waiting[0]
             choice = self._pick_replica(req, budget, blocked)
             if choice is None:
                 break
+            slot = None if req.lora is None else self.lora.slot_for(req.lora.lora_int_id, in_use)
+            if req.lora is not None and slot is None:
+                break                                    # every adapter slot serves running requests
             r, hits = choice
             computed = len(hits) * self.cfg.block_size
             count = min(req.num_tokens - computed, budget[r])
             if not self.blocks[r].allocate(req, computed + count, hits):
                 break                                    # first come, first served: nobody overtakes it
             self.waiting.popleft()
+            if slot is not None:
+                self.lora.assign(slot, req.lora.lora_int_id)
+                req.lora_slot = slot
+                in_use.add(slot)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = computed
                 self.blocks[r].count_prefix_lookup(req.prompt_len, computed)

@@ -137,15 +137,17 @@ def test_an_adapter_row_is_the_same_alone_and_in_the_mix(tiny, engines):
 
 
 def test_the_prefix_cache_is_kept_apart_per_adapter(tiny, engines):
-    _, requests, refs = tiny
+    base, requests, _ = tiny
     llm = engines("tp1")
-    llm.generate([LONG], GREEDY)                                    # the base's blocks of LONG are cached
-    first = llm.generate([LONG], GREEDY, lora_request=requests["r8all"])[0]
-    again = llm.generate([LONG], GREEDY, lora_request=requests["r8all"])[0]
-    base_again = llm.generate([LONG], GREEDY)[0]
+    prompt = [(11 * i) % 991 + 5 for i in range(40)]                # new to this engine: 2 full blocks of 16
+    llm.generate([prompt], GREEDY)                                  # the base's blocks of it are cached
+    first = llm.generate([prompt], GREEDY, lora_request=requests["r8all"])[0]
+    again = llm.generate([prompt], GREEDY, lora_request=requests["r8all"])[0]
+    base_again = llm.generate([prompt], GREEDY)[0]
     assert first.num_cached_tokens == 0                             # not the base's blocks
     assert again.num_cached_tokens == 32 and base_again.num_cached_tokens == 32
-    assert traces([first])[0][0] == traces([again])[0][0] == refs["r8all"][0][0]
+    ref = peft_greedy(base, requests["r8all"].lora_path, [prompt])[0][0]
+    assert traces([first])[0][0] == traces([again])[0][0] == ref
 
 
 def collectives(hlo: str) -> dict[str, int]:
@@ -249,3 +251,60 @@ def test_jax_sees_each_devices_slice_only(tiny, engines):
         shard = arr.addressable_shards[0].data
         assert shard.shape[dim] * 4 == arr.shape[dim], (arr.shape, shard.shape)
     assert len(jax.devices()) >= 4
+
+
+# --- the server ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_path, tmp_path_factory):
+    """`tp-jax serve` of the tiny tokenized Llama with two adapters (and a third to load at run time)."""
+    from tests.server_process import ServerProcess
+    root = tmp_path_factory.mktemp("lora_server")
+    paths = {name: write_adapter(tiny_path, str(root / name), 200 + i, **ADAPTERS[cfg])
+             for i, (name, cfg) in enumerate([("sql", "r8all"), ("chat", "r4attn"), ("late", "r16rs")])}
+    args = [tiny_path, "--served-model-name", "tiny", "--max-model-len", "128", "--enable-lora", "--max-loras", "2",
+            "--max-lora-rank", "8", "--lora-modules", f"sql={paths['sql']}", f"chat={paths['chat']}",
+            "--allow-runtime-lora-updating"]
+    with ServerProcess(args, str(root), name="lora") as srv:
+        yield srv.wait_ready(), paths, tiny_path
+
+
+def test_the_server_serves_adapters_as_models_equal_to_peft(lora_server):
+    import httpx
+    from openai import NotFoundError, OpenAI
+    srv, paths, base = lora_server
+    client = OpenAI(base_url=srv.base, api_key="unused", max_retries=0, timeout=600)
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny", "sql", "chat"}
+    assert models["sql"].model_extra["parent"] == "tiny" and models["sql"].model_extra["root"] == paths["sql"]
+    prompt = [5, 17, 300, 42, 9, 11]
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    for name in ("sql", "chat", None):
+        ref_tokens, ref_lps = peft_greedy(base, paths.get(name), [prompt])[0]
+        got = client.completions.create(model=name or "tiny", prompt=prompt, max_tokens=NEW, temperature=0,
+                                        logprobs=1, extra_body={"ignore_eos": True})
+        lps = np.array(got.choices[0].logprobs.token_logprobs)
+        assert got.choices[0].text == tokenizer.decode(ref_tokens), name
+        assert float(np.abs(lps - ref_lps).max()) <= 2e-5, name
+    # run-time loading: a rank above --max-lora-rank is refused, a good one is served, then unloaded
+    load = lambda body: httpx.post(f"{srv.base}/load_lora_adapter", json=body, timeout=120)
+    r = load({"lora_name": "late", "lora_path": paths["late"]})
+    assert r.status_code == 400 and "rank 16 exceeds max_lora_rank=8" in r.json()["error"]["message"]
+    r = load({"lora_name": "nowhere", "lora_path": "/no/such/adapter"})
+    assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
+    r = load({"lora_name": "sql", "lora_path": paths["chat"]})
+    assert r.status_code == 400 and "already served" in r.json()["error"]["message"]
+    r = load({"lora_name": "chat2", "lora_path": paths["chat"]})
+    assert r.status_code == 200 and r.text.startswith("Success"), r.text
+    again = client.completions.create(model="chat2", prompt=prompt, max_tokens=NEW, temperature=0, logprobs=1,
+                                      extra_body={"ignore_eos": True})
+    assert again.choices[0].text == client.completions.create(model="chat", prompt=prompt, max_tokens=NEW,
+                                                              temperature=0, extra_body={"ignore_eos": True}
+                                                              ).choices[0].text
+    r = httpx.post(f"{srv.base}/unload_lora_adapter", json={"lora_name": "chat2"}, timeout=60)
+    assert r.status_code == 200, r.text
+    with pytest.raises(NotFoundError, match="the model `chat2` does not exist"):
+        client.completions.create(model="chat2", prompt=prompt, max_tokens=2)
+    r = httpx.post(f"{srv.base}/unload_lora_adapter", json={"lora_name": "chat2"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

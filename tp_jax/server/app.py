@@ -23,14 +23,15 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tp_jax.server.handlers import APIError, Handler
 from tp_jax.server.metrics import ServerMetrics
 from tp_jax.server.openapi import install_openapi
-from tp_jax.server.protocol import ChatCompletionRequest, CompletionRequest
+from tp_jax.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
+                                   UnloadLoRAAdapterRequest)
 
 log = logging.getLogger("tp_jax.server")
 
@@ -42,12 +43,15 @@ _EXPECTED = {"prompt": "a string, a list of strings, a list of token ids, or a l
 
 def create_app(aengine, tokenizer, *, model_names: list[str], max_model_len: int, api_key: str | None = None,
                model_root: str | None = None, shutdown_timeout_s: float = 5.0,
-               tool_parser: str | None = None) -> FastAPI:
+               tool_parser: str | None = None, lora_modules: dict | None = None,
+               runtime_lora: bool = False) -> FastAPI:
     """The app over a running AsyncLLMEngine; it shuts the engine down when the server stops.
     `tool_parser`: how tool_choice "auto" reads the model's calls (tp_jax/server/tools.py PARSERS). The engine's
-    structured-output defaults (EngineArgs.structured_outputs_config) are applied by the engine itself."""
+    structured-output defaults (EngineArgs.structured_outputs_config) are applied by the engine itself.
+    `lora_modules`: adapter name -> LoRARequest, served as models of their own; `runtime_lora`: adapters may be
+    loaded and unloaded while serving (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`)."""
     metrics = ServerMetrics(aengine)
-    handler = Handler(aengine, tokenizer, model_names, max_model_len, metrics, tool_parser)
+    handler = Handler(aengine, tokenizer, model_names, max_model_len, metrics, tool_parser, lora_modules)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -76,9 +80,27 @@ def create_app(aengine, tokenizer, *, model_names: list[str], max_model_len: int
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "tp_jax",
-                                            "root": model_root or name, "max_model_len": max_model_len}
-                                           for name in model_names]}
+        card = lambda name, root, parent: {"id": name, "object": "model", "created": created, "owned_by": "tp_jax",
+                                           "root": root, "parent": parent, "max_model_len": max_model_len}
+        return {"object": "list", "data": [card(name, model_root or name, None) for name in model_names] +
+                [card(name, lora.lora_path, model_names[0]) for name, lora in handler.loras.items()]}
+
+    def runtime_updates() -> None:
+        if not runtime_lora:
+            raise APIError(400, "loading LoRA adapters at run time is off: start the server with "
+                                "--allow-runtime-lora-updating (and --enable-lora)")
+        if aengine.engine.core.lora is None:
+            raise APIError(400, "this server was started without --enable-lora: it serves no adapters")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        runtime_updates()
+        return PlainTextResponse(await asyncio.to_thread(handler.load_adapter, body.lora_name, body.lora_path))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        runtime_updates()
+        return PlainTextResponse(handler.unload_adapter(body.lora_name))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

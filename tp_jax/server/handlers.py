@@ -66,8 +66,10 @@ class Job:
 
 class Handler:
     def __init__(self, aengine, tokenizer, model_names: list[str], max_model_len: int, metrics: ServerMetrics,
-                 tool_parser: str | None = None):
+                 tool_parser: str | None = None, lora_modules: dict | None = None):
+        """`lora_modules`: served adapter name -> LoRARequest (`model=name` selects it)."""
         self.aengine, self.tokenizer, self.names = aengine, tokenizer, list(model_names)
+        self.loras = dict(lora_modules or {})
         self.tool_parser = tool_parser                # tools.PARSERS key for tool_choice "auto", or None
         self.max_model_len, self.metrics = max_model_len, metrics
         self.tokens = Tokens(tokenizer)
@@ -132,10 +134,11 @@ class Handler:
 
     def _job(self, chat: bool, prefix: str, req, prompts: list[list[int]], max_tokens: int | None,
              tools: ToolMode | None = None) -> Job:
-        if req.model is not None and req.model not in self.names:
-            raise APIError(400, f"the model `{req.model}` does not exist; this server serves "
-                                f"{', '.join(repr(n) for n in self.names)} (GET /v1/models)", param="model",
-                           code="model_not_found")
+        lora = None if req.model is None or req.model in self.names else self.loras.get(req.model)
+        if req.model is not None and req.model not in self.names and lora is None:
+            raise APIError(404, f"the model `{req.model}` does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in [*self.names, *self.loras])} (GET /v1/models)",
+                           param="model", code="model_not_found")
         constraint = None
         try:
             constraint = request_constraint(req, None if tools is None else tools.constraint())
@@ -147,7 +150,7 @@ class Handler:
         for i, ids in enumerate(prompts):
             where = field if len(prompts) == 1 else f"{field} {i}"
             try:
-                prepared.append(self.aengine.engine.prepare(ids, params, where))   # a bad grammar: 400 here
+                prepared.append(self.aengine.engine.prepare(ids, params, where, lora))   # a bad grammar: 400 here
             except (ValueError, TypeError) as e:
                 bad = constraint is not None and "structured outputs" in str(e)
                 raise APIError(400, str(e), param=constraint[0] if bad else field) from None
@@ -160,6 +163,30 @@ class Handler:
         model = req.model if req.model is not None else self.names[0]
         return Job(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, prompts, params, req,
                    tools=tools, prepared=prepared)
+
+    # --- LoRA adapters at run time (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -------------
+    def load_adapter(self, name: str, path: str) -> str:
+        """Serve the adapter at `path` as model `name` (checked as a request's adapter is: 400 if refused)."""
+        from tp_jax.serving.lora import LoRARequest
+        if name in self.names or name in self.loras:
+            raise APIError(400, f"the model name {name!r} is already served; unload it first or choose another "
+                                f"lora_name", param="lora_name")
+        known = [r.lora_int_id for r in self.loras.values()] + list(self.aengine.engine.core.lora_slots.known)
+        req = LoRARequest(name, max(known, default=0) + 1, path)
+        try:
+            self.aengine.engine.core.check_lora(req, f"lora_name {name!r}")
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        self.loras[name] = req
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_adapter(self, name: str) -> str:
+        """Stop serving adapter `name` (requests already running finish with it)."""
+        if self.loras.pop(name, None) is None:
+            raise APIError(404, f"the LoRA adapter {name!r} is not served; served adapters: "
+                                f"{', '.join(repr(n) for n in self.loras) or 'none'}", param="lora_name",
+                           code="model_not_found")
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     # --- running it ----------------------------------------------------------------------------------
     async def _run(self, job: Job, stream: bool) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -27,22 +27,27 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-BAD_REQUEST = "the request is invalid (a field, its type or value, an unknown model, a prompt too long): " \
+BAD_REQUEST = "the request is invalid (a field, its type or value, a prompt too long): " \
               "the message names the field and the fix"
+NOT_FOUND = "the `model` is neither the served model nor a served LoRA adapter (code model_not_found)"
 INTERNAL = "the request failed inside the server (a failed engine); OpenAI's error body"
 UNAUTHORIZED = "no API key, or the wrong one: send `Authorization: Bearer <key>`"
 STREAM = "with `stream: true`, server-sent events: `data: {chunk}` lines, then `data: [DONE]`"
 
 # path -> method -> {status: description}; statuses other than 200 carry ErrorResponse
 RESPONSES = {
-    "/v1/completions": {"post": {400: BAD_REQUEST, 500: INTERNAL}},
-    "/v1/chat/completions": {"post": {400: BAD_REQUEST, 500: INTERNAL}},
+    "/v1/completions": {"post": {400: BAD_REQUEST, 404: NOT_FOUND, 500: INTERNAL}},
+    "/v1/chat/completions": {"post": {400: BAD_REQUEST, 404: NOT_FOUND, 500: INTERNAL}},
     "/v1/models": {"get": {}},
+    "/v1/load_lora_adapter": {"post": {400: "runtime LoRA updating is off, the name is taken, or the adapter is "
+                                            "refused (its message names why)", 500: INTERNAL}},
+    "/v1/unload_lora_adapter": {"post": {400: "runtime LoRA updating is off", 404: "no adapter of that name is "
+                                         "served", 500: INTERNAL}},
     "/health": {"get": {503: "the engine failed; OpenAI's error body"}},
     "/metrics": {"get": {}},
 }
 STREAMING = ("/v1/completions", "/v1/chat/completions")
-PLAIN_TEXT = ("/metrics",)                   # Prometheus' text format, not JSON
+PLAIN_TEXT = ("/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")     # Prometheus text; vLLM's "Success: ..."
 VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 

@@ -202,3 +202,17 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         logprobs=requested_logprobs(r), include_stop_str_in_output=r.include_stop_str_in_output,
         prompt_logprobs=r.engine_prompt_logprobs if isinstance(r, CompletionRequest) else r.prompt_logprobs,
         structured_outputs=structured_outputs)
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/load_lora_adapter` body (a server started with --allow-runtime-lora-updating)."""
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/unload_lora_adapter` body."""
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None

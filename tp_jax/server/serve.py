@@ -54,6 +54,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "<tool_call> JSON), llama3_json (Llama 3.x JSON); without it \"auto\" is refused (400)")
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help="accepted for vLLM's command lines; --tool-call-parser is what enables \"auto\"")
+    ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                    help="LoRA adapters (PEFT directories) served as models of their own, `model=NAME` selecting "
+                         "one (needs --enable-lora; vLLM's JSON form {\"name\": ..., \"path\": ...} too)")
+    ap.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                    help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (or env "
+                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as in vLLM)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
     ap.set_defaults(run=run)
@@ -105,14 +112,36 @@ def run(args) -> int:
             log.info("%d common step shapes compile on first use: the first request of each shape waits for its "
                      "compile (seconds); --warmup compiles them before serving", len(engine.core.warmup_shapes()))
         names = args.served_model_name or [default_model_name(model, llm.model_path)]
-        serve(llm, sock, names, args)
+        serve(llm, sock, names, args, lora_modules(args, llm, names))
     finally:
         if sock is not None:
             sock.close()
     return 0
 
 
-def serve(llm, sock: socket.socket, names: list[str], args) -> None:
+def lora_modules(args, llm, names: list[str]) -> dict:
+    """--lora-modules as name -> LoRARequest (ids 1, 2, ...), each checked now (a bad one: exit 2, one line)."""
+    import json
+    from tp_jax.serving.lora import LoRARequest
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora (the adapters' device slots)")
+    out = {}
+    for i, item in enumerate(args.lora_modules, start=1):
+        if item.lstrip().startswith("{"):
+            spec = json.loads(item)
+            name, path = spec.get("name"), spec.get("path")
+        else:
+            name, _, path = item.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: give NAME=PATH (or {{\"name\": ..., \"path\": ...}})")
+        if name in names or name in out:
+            raise ValueError(f"--lora-modules: the name {name!r} is used twice; give each adapter its own name")
+        out[name] = LoRARequest(name, i, path)
+        llm.engine.core.check_lora(out[name], f"--lora-modules {name}")
+    return out
+
+
+def serve(llm, sock: socket.socket, names: list[str], args, loras: dict | None = None) -> None:
     """Run uvicorn on `sock` until SIGINT / SIGTERM; the app stops the engine on the way out."""
     from tp_jax.server.app import create_app
     from tp_jax.serving.async_engine import AsyncLLMEngine
@@ -123,7 +152,8 @@ def serve(llm, sock: socket.socket, names: list[str], args) -> None:
     aengine = AsyncLLMEngine(llm.engine)
     app = create_app(aengine, tokenizer, model_names=names, max_model_len=llm.max_model_len, api_key=args.api_key,
                      model_root=llm.model_path, shutdown_timeout_s=ENGINE_STOP_S,
-                     tool_parser=args.tool_call_parser)
+                     tool_parser=args.tool_call_parser, lora_modules=loras,
+                     runtime_lora=args.allow_runtime_lora_updating)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_access_log,
                             timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + BACKSTOP_S, lifespan="on")
     host, port = sock.getsockname()[:2]

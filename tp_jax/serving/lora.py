@@ -205,16 +205,19 @@ class LoRAWeights:
             layer.b = jnp.zeros(b_shape, self.dtype, device=self._sharding(layer, "b"))
         self._set = jax.jit(lambda x, s, v: x.at[:, s].set(v), donate_argnums=0)
 
-    def _width(self, layer: _Layer) -> int:
-        return len(layer.parts) * self.rank if layer.column else self.rank
-
     def _shapes(self, layer: _Layer):
-        n, s, w = len(self.layer_map), self.slots, self._width(layer)
+        n, s, r = len(self.layer_map), self.slots, self.rank
         if layer.column:
-            out_local = sum(layer.rows[p].shape[1] for p in layer.parts)
-            return (n, s, layer.in_size, w), (n, s, w, self.tp * out_local)
+            return (n, s, layer.in_size, len(layer.parts) * r), (n, s, r, self.tp * sum(self.parts_of(layer)))
         in_local = layer.rows[layer.parts[0]].shape[1]
-        return (n, s, self.tp * in_local, w), (n, s, w, layer.out_size)
+        return (n, s, self.tp * in_local, r), (n, s, r, layer.out_size)
+
+    def parts_of(self, layer: _Layer) -> tuple[int, ...]:
+        """The local output columns of each fused part (a row layer: its whole output)."""
+        return tuple(layer.rows[p].shape[1] for p in layer.parts) if layer.column else (layer.out_size,)
+
+    def parts(self) -> dict[str, tuple[int, ...]]:
+        return {k: self.parts_of(layer) for k, layer in self.layers.items()}
 
     def spec(self, layer: _Layer, which: str) -> P:
         split = (TP if which == "b" else None) if layer.column else (TP if which == "a" else None)
@@ -246,8 +249,8 @@ class LoRAWeights:
             layer.b = self._set(layer.b, slot, jax.device_put(b.astype(self.dtype), _drop_slot(layer.b.sharding)))
 
     def _fill(self, layer: _Layer, parts: dict, a: np.ndarray, b: np.ndarray) -> None:
-        """One layer's A [in, W] and B [W, out] (global layout: ranks' blocks side by side) from the parts'
-        (A[r, in], B[out, r] scaled)."""
+        """One layer's A [in, P * R] and B [R, out] (global layout: ranks' blocks side by side) from the parts'
+        (A[r, in], B[out, r] scaled): part p's A in columns p * R.., its B in the part's output columns."""
         r_max = self.rank
         if not layer.column:
             (pa, pb), = parts.values()
@@ -264,7 +267,7 @@ class LoRAWeights:
                     pa, pb = parts[part]
                     r = pa.shape[0]
                     a[:, p * r_max:p * r_max + r] = pa.T
-                    b[p * r_max:p * r_max + r, col:col + n] = take_rows(pb, layer.rows[part][k], 0).T
+                    b[:r, col:col + n] = take_rows(pb, layer.rows[part][k], 0).T
                 col += n
 
 

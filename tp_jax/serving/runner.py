@@ -57,7 +57,7 @@ class ModelRunner:
             m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
             paged = PagedBatch(*(a[k] for k in PagedBatch.FIELDS))
             cache = KVCache(k, v, paged, attention_backend)
-            with lora_layers.active(*adapters) if adapters else contextlib.nullcontext():
+            with lora_layers.active(*adapters, lora.parts()) if adapters else contextlib.nullcontext():
                 h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches)
             last = jnp.take_along_axis(h, a["logits_index"][..., None], axis=1)     # [M, R, D]
             scored = tuple(prompt_logprobs.compute(m, h, x, prompt_k) for x in prompt)   # () unless asked

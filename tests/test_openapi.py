@@ -10,7 +10,7 @@ import pytest
 from tp_jax.server.app import create_app
 from tp_jax.server.openapi import ErrorResponse
 
-V1 = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+V1 = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def document(api_key=None) -> dict:
@@ -26,8 +26,8 @@ def test_no_422_and_the_error_statuses_carry_openais_body():
     assert set(schemas["ErrorDetail"]["required"]) == {"message", "type"}
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = doc["paths"][path]["post"]["responses"]
-        assert set(responses) == {"200", "400", "500"}
-        for status in ("400", "500"):
+        assert set(responses) == {"200", "400", "404", "500"}                # 404: an unknown model
+        for status in ("400", "404", "500"):
             assert responses[status]["content"]["application/json"]["schema"] == \
                 {"$ref": "#/components/schemas/ErrorResponse"}
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}

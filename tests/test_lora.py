@@ -10,7 +10,6 @@ import json
 import os
 import re
 
-import jax
 import numpy as np
 import pytest
 
@@ -105,7 +104,7 @@ def traces(outs):
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_a_mixed_batch_equals_peft_merged(tiny, engines, mesh):
-    base, requests, refs = tiny
+    _, requests, refs = tiny
     prompts, loras, names = mixed(requests)
     outs = traces(engines(mesh).generate(prompts, GREEDY, lora_request=loras))
     for k, ((tokens, lps), name) in enumerate(zip(outs, names)):
@@ -161,8 +160,8 @@ def step_hlo(llm) -> str:
     batch = StepBatch.empty(shape)
     runner = core.runner
     adapters = () if runner.lora is None else (runner.lora.args(), runner.put(np.full(batch.ids.shape, -1, np.int32)))
-    return runner._forward.lower(runner.weights, runner.put(batch.packed()), runner.k, runner.v, adapters,
-                                 shape=shape).compile().as_text()
+    return runner._forward.lower(runner.weights, runner.put(batch.packed()), runner.k, runner.v, shape=shape,
+                                 adapters=adapters).compile().as_text()
 
 
 def test_a_lora_step_compiles_the_collectives_of_the_base_step(tiny, engines):
@@ -206,7 +205,7 @@ def edited(src: str, dst: str, **changes) -> str:
 
 
 def test_bad_adapters_are_refused_before_anything_runs(tiny, engines, tmp_path):
-    base, requests, _ = tiny
+    _, requests, _ = tiny
     llm = engines("tp1")
     good = requests["r8all"].lora_path
     cases = [
@@ -250,7 +249,6 @@ def test_jax_sees_each_devices_slice_only(tiny, engines):
     for arr, dim in ((qkv.b, 3), (o.a, 2)):
         shard = arr.addressable_shards[0].data
         assert shard.shape[dim] * 4 == arr.shape[dim], (arr.shape, shard.shape)
-    assert len(jax.devices()) >= 4
 
 
 # --- the server ---------------------------------------------------------------------------------------------

@@ -65,10 +65,12 @@ class ModelRunner:
 
         adapter_specs = () if lora is None else (lora.specs(), P(DP))
 
-        def sharded(weights, packed, k, v, adapters, *prompt, shape, prompt_k=0):
+        def sharded(weights, packed, k, v, *prompt, shape, prompt_k=0, adapters=()):
+            """`adapters`: () without LoRA, else (the LoRA weights, each token's slot i32[G, N])."""
             extra = (P(DP),) * len(prompt)
             fn = jax.shard_map(functools.partial(forward, shape=shape, prompt_k=prompt_k), mesh=mesh,
-                               in_specs=(specs, P(DP), POOL_SPEC, POOL_SPEC, adapter_specs, *extra),
+                               in_specs=(specs, P(DP), POOL_SPEC, POOL_SPEC, adapter_specs if adapters else (),
+                                         *extra),
                                out_specs=(P(DP), POOL_SPEC, POOL_SPEC, *extra), check_vma=False)
             return fn(weights, packed, k, v, adapters, *prompt)
 
@@ -84,7 +86,7 @@ class ModelRunner:
         adapters = () if self.lora is None else (self.lora.args(), self.put(batch.lora_slots if batch.lora_slots
                                                  is not None else np.full(batch.ids.shape, -1, np.int32)))
         logits, self.k, self.v, *scored = self._forward(self.weights, self.put(batch.packed()), self.k, self.v,
-                                                        adapters, *extra, shape=batch.shape,
+                                                        *extra, adapters=adapters, shape=batch.shape,
                                                         prompt_k=0 if prompt is None else prompt.k)
         self.compiled_shapes.add(batch.shape)
         return logits, (scored[0] if scored else None)

@@ -149,6 +149,18 @@ def test_the_prefix_cache_is_kept_apart_per_adapter(tiny, engines):
     assert traces([first])[0][0] == traces([again])[0][0] == ref
 
 
+def test_the_engine_takes_a_lora_request_per_request(tiny, engines):
+    _, requests, refs = tiny
+    engine = engines("tp1").engine
+    engine.add_request("with-r16", PROMPTS[1], GREEDY, lora_request=requests["r16rs"])
+    engine.add_request("base", PROMPTS[1], GREEDY)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["with-r16"].outputs[0].token_ids == refs["r16rs"][1][0]
+    assert done["base"].outputs[0].token_ids == refs[None][1][0]
+
+
 def collectives(hlo: str) -> dict[str, int]:
     return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo))
             for op in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")}
@@ -285,6 +297,12 @@ def test_the_server_serves_adapters_as_models_equal_to_peft(lora_server):
         lps = np.array(got.choices[0].logprobs.token_logprobs)
         assert got.choices[0].text == tokenizer.decode(ref_tokens), name
         assert float(np.abs(lps - ref_lps).max()) <= 2e-5, name
+    msgs = [{"role": "user", "content": "Hi there"}]                 # chat: the template, then the adapter
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    ref_tokens, _ = peft_greedy(base, paths["sql"], [tokenizer.encode(text, add_special_tokens=False)])[0]
+    chat = client.chat.completions.create(model="sql", messages=msgs, max_tokens=NEW, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == tokenizer.decode(ref_tokens)
     # run-time loading: a rank above --max-lora-rank is refused, a good one is served, then unloaded
     load = lambda body: httpx.post(f"{srv.base}/load_lora_adapter", json=body, timeout=120)
     r = load({"lora_name": "late", "lora_path": paths["late"]})

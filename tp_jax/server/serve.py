@@ -55,8 +55,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help="accepted for vLLM's command lines; --tool-call-parser is what enables \"auto\"")
     ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                    help="LoRA adapters (PEFT directories) served as models of their own, `model=NAME` selecting "
-                         "one (needs --enable-lora; vLLM's JSON form {\"name\": ..., \"path\": ...} too)")
+                    help="with --enable-lora: LoRA adapters (PEFT directories) served as models of their own, "
+                         "`model=NAME` selecting one (vLLM's JSON form {\"name\": ..., \"path\": ...} too)")
     ap.add_argument("--allow-runtime-lora-updating", action="store_true",
                     default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
                     help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (or env "

@@ -324,3 +324,18 @@ def test_the_server_serves_adapters_as_models_equal_to_peft(lora_server):
         client.completions.create(model="chat2", prompt=prompt, max_tokens=2)
     r = httpx.post(f"{srv.base}/unload_lora_adapter", json={"lora_name": "chat2"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--lora-modules", "sql=/a"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "sql"], "--lora-modules 'sql': give NAME=PATH"),
+    (["--enable-lora", "--lora-modules", "{bad"], "--lora-modules '{bad' is not valid JSON"),
+    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "the name 'a' is used twice"),
+])
+def test_bad_lora_module_flags_exit_2_before_the_model_loads(flags, msg):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "tp_jax.server.cli", "serve", "/no/such/model", *flags],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+    assert "/no/such/model" not in r.stderr                          # refused before the model was looked for

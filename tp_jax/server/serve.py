@@ -95,6 +95,7 @@ def run(args) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0 seconds")
     model = args.model if args.model is not None else args.model_pos
+    loras = lora_modules(args)
     from tp_jax.multihost.distributed import is_driver, process_index
     initialize(args)
     sock = bind(args.host, args.port) if is_driver() else None
@@ -112,33 +113,42 @@ def run(args) -> int:
             log.info("%d common step shapes compile on first use: the first request of each shape waits for its "
                      "compile (seconds); --warmup compiles them before serving", len(engine.core.warmup_shapes()))
         names = args.served_model_name or [default_model_name(model, llm.model_path)]
-        serve(llm, sock, names, args, lora_modules(args, llm, names))
+        check_lora_modules(loras, llm, names)
+        serve(llm, sock, names, args, loras)
     finally:
         if sock is not None:
             sock.close()
     return 0
 
 
-def lora_modules(args, llm, names: list[str]) -> dict:
-    """--lora-modules as name -> LoRARequest (ids 1, 2, ...), each checked now (a bad one: exit 2, one line)."""
+def lora_modules(args) -> dict:
+    """--lora-modules as name -> LoRARequest (ids 1, 2, ...), their syntax checked before the model loads."""
     import json
     from tp_jax.serving.lora import LoRARequest
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora (the adapters' device slots)")
     out = {}
     for i, item in enumerate(args.lora_modules, start=1):
-        if item.lstrip().startswith("{"):
-            spec = json.loads(item)
-            name, path = spec.get("name"), spec.get("path")
-        else:
-            name, _, path = item.partition("=")
+        try:
+            spec = json.loads(item) if item.lstrip().startswith("{") else dict(zip(("name", "path"),
+                                                                                item.split("=", 1)))
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {item!r} is not valid JSON ({e})") from None
+        name, path = spec.get("name"), spec.get("path")
         if not name or not path:
             raise ValueError(f"--lora-modules {item!r}: give NAME=PATH (or {{\"name\": ..., \"path\": ...}})")
-        if name in names or name in out:
+        if name in out:
             raise ValueError(f"--lora-modules: the name {name!r} is used twice; give each adapter its own name")
         out[name] = LoRARequest(name, i, path)
-        llm.engine.core.check_lora(out[name], f"--lora-modules {name}")
     return out
+
+
+def check_lora_modules(loras: dict, llm, names: list[str]) -> None:
+    """Each adapter read and checked against the loaded model (a bad one: exit 2, one line)."""
+    for name, req in loras.items():
+        if name in names:
+            raise ValueError(f"--lora-modules: {name!r} is also the base model's served name; rename the adapter")
+        llm.engine.core.check_lora(req, f"--lora-modules {name}")
 
 
 def serve(llm, sock: socket.socket, names: list[str], args, loras: dict | None = None) -> None:

@@ -205,6 +205,9 @@ class EngineCore:
         if len(ids) > cfg.max_model_len or (len(ids) == cfg.max_model_len and params.max_tokens != 0):
             raise ValueError(f"{where} has {len(ids)} tokens, but max_model_len={cfg.max_model_len} leaves no "
                              f"room to generate; shorten it or raise max_model_len")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: logit_bias names token ids outside [0, {self.vocab_size}): {bad[:5]}")
         limit = min(cfg.max_logprobs, self.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > limit:
@@ -266,6 +269,7 @@ class EngineCore:
         if self.drafter is not None:
             self.drafter.follow(batch)                   # the draft's pool gets the step's tokens too
         plan = self._plan(batch)
+        plan.bias = self._logit_bias(batch)
         if jax.process_count() > 1:
             plan.bitmask = self._bitmask(batch)          # the followers need it in the plan
             broadcast_bytes(plan.to_bytes())
@@ -374,10 +378,12 @@ class EngineCore:
 
     def _bitmask(self, batch) -> np.ndarray | None:
         """i32[G, R, ceil(V / 32)]: each constrained row's allowed tokens (all ones elsewhere); None when
-        no row of the step is constrained, so unconstrained steps run exactly as before."""
-        rows = [(gi, i, row) for gi, rows in enumerate(batch.rows) for i, row in sampled_rows(rows)
-                if row.request.matcher is not None]
-        if not rows:
+        no row of the step is constrained, so unconstrained steps run exactly as before. A row short of its
+        `min_tokens` has its end tokens (EOS, stop_token_ids) taken out."""
+        sampled = [(gi, i, row) for gi, rows in enumerate(batch.rows) for i, row in sampled_rows(rows)]
+        rows = [(gi, i, row) for gi, i, row in sampled if row.request.matcher is not None]
+        short = [(gi, i, row) for gi, i, row in sampled if row.request.num_output_tokens < row.request.params.min_tokens]
+        if not rows and not short:
             return None
         t = time.perf_counter()
         r = batch.shape.sample_rows
@@ -387,9 +393,31 @@ class EngineCore:
         for gi, i, row in rows:                 # a speculative row: each query row's mask after the drafts before it
             if row.draft:
                 row.request.matcher.fill_rows(row.draft, mask[gi, i:i + 1 + len(row.draft)])
+        self._ban_end_tokens(mask, short)
         self.stats["grammar_seconds"] += time.perf_counter() - t
         self.stats["constrained_tokens"] += sum(1 + len(row.draft) for _, _, row in rows)
         return mask
+
+    def _ban_end_tokens(self, mask: np.ndarray, short) -> None:
+        """Clear the end tokens' bits in the query rows (i + j: after j drafts) still short of min_tokens."""
+        for gi, i, row in short:
+            p, done = row.request.params, row.request.num_output_tokens
+            ends = sorted(({*self.eos} if not p.ignore_eos else set()) | set(p.stop_token_ids))
+            words, bits = np.array(ends) // 32, np.array(ends) % 32
+            for j in range(min(1 + len(row.draft or ()), p.min_tokens - done)):
+                np.bitwise_and.at(mask[gi, i + j], words, ~(np.left_shift(1, bits).astype(np.int64)).astype(np.int32))
+
+    def _logit_bias(self, batch) -> np.ndarray | None:
+        """f32[G, R, V]: each row's logit_bias (zeros elsewhere); None when no row of the step has one."""
+        sampled = [(gi, i, row) for gi, rows in enumerate(batch.rows) for i, row in sampled_rows(rows)
+                   if row.request.params.logit_bias]
+        if not sampled:
+            return None
+        bias = np.zeros((batch.shape.groups, batch.shape.sample_rows, self.vocab_size), np.float32)
+        for gi, i, row in sampled:
+            ids, values = zip(*row.request.params.logit_bias.items())
+            bias[gi][i:i + 1 + len(row.draft or ()), list(ids)] = values
+        return bias
 
     def _execute(self, plan: StepPlan, late_bitmask=None):
         """The device work of a step (every process runs it); the sampled rows as numpy."""
@@ -436,6 +464,8 @@ class EngineCore:
 
     def _check_stop(self, req: Request, token: int):
         p = req.params
+        if req.num_output_tokens < min(p.min_tokens, req.max_tokens):
+            return None, None                    # end tokens are masked until then (_ban_end_tokens)
         if token in p.stop_token_ids:
             return "stop", token
         if token in self.eos and not p.ignore_eos:

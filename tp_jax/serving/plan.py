@@ -34,6 +34,7 @@ class StepPlan:
     penalty_inits: list[tuple[int, list[int], list[int]]]     # (row, prompt ids, output ids) to load
     prompt: PromptPlan | None = None       # prompt positions to score (prompt_logprobs.py)
     bitmask: np.ndarray | None = None      # i32[G, R, ceil(V/32)] allowed tokens (structured outputs), or None
+    bias: np.ndarray | None = None         # f32[G, R, V] added to the logits (logit_bias), or None
 
     SAMPLE_ARRAYS = ("floats", "top_k", "words", "steps", "penalty_rows")
 
@@ -45,8 +46,9 @@ class StepPlan:
     def to_bytes(self) -> bytes:
         arrays = {**self.batch.arrays(), **{k: getattr(self, k) for k in self.SAMPLE_ARRAYS}}
         assert len(arrays) == len(StepBatch.ARRAYS) + len(self.SAMPLE_ARRAYS), "array names must not collide"
-        if self.bitmask is not None:
-            arrays["bitmask"] = self.bitmask
+        for name in ("bitmask", "bias"):
+            if getattr(self, name) is not None:
+                arrays[name] = getattr(self, name)
         header = {"shape": dataclasses.astuple(self.batch.shape), "num_logprobs": self.num_logprobs,
                   "penalties": self.penalties, "all_greedy": self.all_greedy, "penalty_inits": self.penalty_inits}
         if self.prompt is not None:
@@ -65,4 +67,5 @@ class StepPlan:
         prompt = PromptPlan(a["prompt_index"], a["prompt_target"], header["prompt_k"]) if "prompt_k" in header else None
         return cls(batch=batch, **{k: a[k] for k in cls.SAMPLE_ARRAYS}, num_logprobs=header["num_logprobs"],
                    penalties=header["penalties"], all_greedy=header["all_greedy"],
-                   penalty_inits=[tuple(x) for x in header["penalty_inits"]], prompt=prompt, bitmask=a.get("bitmask"))
+                   penalty_inits=[tuple(x) for x in header["penalty_inits"]], prompt=prompt, bitmask=a.get("bitmask"),
+                   bias=a.get("bias"))

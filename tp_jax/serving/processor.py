@@ -44,7 +44,7 @@ class Detokenizer:
         return delta
 
     def finish(self) -> str:
-        full = self._decode(self.ids)
+        full = _whole_characters(self._decode(self.ids))
         if full.startswith(self.text):
             delta, self.text = full[len(self.text):], full
             return delta
@@ -86,6 +86,18 @@ class RequestState:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [s.output(i) for i, s in enumerate(self.samples)], self.finished,
                              self.num_cached_tokens, dataclasses.replace(self.metrics), self.prompt_logprobs)
+
+
+def _whole_characters(text: str) -> str:
+    """`text` without the U+FFFD that a decode ends with when the last tokens stop inside a multi-byte character
+    (max_tokens cut it): vLLM's detokenizer never emits that partial character either."""
+    return text.rstrip("\ufffd")
+
+
+def _hidden_stop_token(s: _Sample, out: EngineOutput) -> int:
+    """1 when `out` ends its sample on a stop token id whose text stays out of the output (vLLM's rule: kept only
+    with include_stop_str_in_output; the token itself stays in token_ids), else 0."""
+    return int(out.finished and isinstance(out.stop_reason, int) and not s.params.include_stop_str_in_output)
 
 
 class OutputProcessor:
@@ -131,10 +143,10 @@ class OutputProcessor:
                 s.logprobs += out.new_top_logprobs
             if s.detok is not None:
                 before = len(s.text)
-                s.text += s.detok.push(out.new_token_ids)
+                s.text += s.detok.push(out.new_token_ids[:len(out.new_token_ids) - _hidden_stop_token(s, out)])
                 if out.finished:
                     s.text += s.detok.finish()
-                if s.params.stop and self._stop_string(s, before):
+                if s.params.stop and len(s.tokens) > s.params.min_tokens and self._stop_string(s, before):
                     if not out.finished:
                         abort.append(out.request_id)
                     out = dataclasses.replace(out, finish_reason="stop", stop_reason=s.stop_reason)
@@ -159,7 +171,8 @@ class OutputProcessor:
                        now: float) -> None:
         s.finish_reason, s.stop_reason = reason, stop_reason
         if s.detok is None and self.tokenizer is not None:
-            s.text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
+            hidden = int(isinstance(stop_reason, int) and not s.params.include_stop_str_in_output)
+            s.text = _whole_characters(self.tokenizer.decode(s.tokens[:len(s.tokens) - hidden], skip_special_tokens=True))
         del self.children[child_id]
         if state.finished:
             state.metrics.finished_time = now

@@ -108,17 +108,17 @@ class ModelRunner:
         bitmask = plan.bitmask if plan.bitmask is not None or late_bitmask is None else late_bitmask()
         if bitmask is not None:                          # -inf where the grammar says no
             logits = apply_bitmask(logits, self.put(bitmask))
-        n = plan.num_logprobs
+        n, bias = plan.num_logprobs, None if plan.bias is None else self.put(plan.bias)     # logit_bias
         if plan.all_greedy:
-            out = _greedy(logits, num_logprobs=n)
+            out = _greedy(logits, bias, num_logprobs=n)
         else:
             floats, ints = self.put(plan.floats), self.put(plan.sample_ints())
             if plan.penalties:
                 mask, counts = self.penalties.state
-                out, counts = _sample_penalized(logits, floats, ints, mask, counts, num_logprobs=n)
+                out, counts = _sample_penalized(logits, floats, ints, mask, counts, bias, num_logprobs=n)
                 self.penalties.state = (mask, counts)
             else:
-                out = _sample(logits, floats, ints, num_logprobs=n)
+                out = _sample(logits, floats, ints, bias, num_logprobs=n)
         out = np.asarray(to_host(out), np.int32)
         floats = lambda x: np.ascontiguousarray(x).view(np.float32)
         scored = None if scored is None else np.asarray(to_host(scored), np.int32)
@@ -136,6 +136,11 @@ def _pack(g: int, tokens, lp) -> jax.Array:
     return out.reshape(g, -1, out.shape[-1])
 
 
+def _rows(x):
+    """[G, R, V] -> [G * R, V] (None stays None)."""
+    return None if x is None else x.reshape(-1, x.shape[-1])
+
+
 def _tensors(floats, ints) -> tuple[SamplingTensors, jax.Array]:
     """SamplingTensors from the packed rows (sampling.py's ROW_FLOATS; StepPlan.sample_ints), and the steps."""
     f, i = floats.reshape(-1, floats.shape[-1]), ints.reshape(-1, ints.shape[-1])
@@ -144,23 +149,24 @@ def _tensors(floats, ints) -> tuple[SamplingTensors, jax.Array]:
 
 
 @consistent_jit(static_argnames=("num_logprobs",))
-def _greedy(logits, *, num_logprobs):
-    tokens, lp = sampling.greedy(logits.reshape(-1, logits.shape[-1]), num_logprobs=num_logprobs)
+def _greedy(logits, bias=None, *, num_logprobs):
+    tokens, lp = sampling.greedy(logits.reshape(-1, logits.shape[-1]), num_logprobs=num_logprobs, bias=_rows(bias))
     return _pack(logits.shape[0], tokens, lp)
 
 
 @consistent_jit(static_argnames=("num_logprobs",))
-def _sample(logits, floats, ints, *, num_logprobs):
+def _sample(logits, floats, ints, bias=None, *, num_logprobs):
     t, steps = _tensors(floats, ints)
-    tokens, lp = sampling.sample(logits.reshape(-1, logits.shape[-1]), t, steps, num_logprobs=num_logprobs)
+    tokens, lp = sampling.sample(logits.reshape(-1, logits.shape[-1]), t, steps, num_logprobs=num_logprobs,
+                                 bias=_rows(bias))
     return _pack(logits.shape[0], tokens, lp)
 
 
 @consistent_jit(static_argnames=("num_logprobs",), donate_argnames=("counts",))
-def _sample_penalized(logits, floats, ints, mask, counts, *, num_logprobs):
+def _sample_penalized(logits, floats, ints, mask, counts, bias=None, *, num_logprobs):
     t, steps = _tensors(floats, ints)
     rows = ints.reshape(-1, ints.shape[-1])[:, 2]
     tokens, lp = sampling.sample(logits.reshape(-1, logits.shape[-1]), t, steps, mask[rows], counts[rows],
-                                 num_logprobs=num_logprobs)
+                                 num_logprobs=num_logprobs, bias=_rows(bias))
     counts = add_sampled(counts, rows, tokens)          # padding rows add to the scratch row
     return _pack(logits.shape[0], tokens, lp), counts

@@ -45,6 +45,7 @@ _RULES = {
     "presence_penalty": (False, lambda v: -2 <= v <= 2, "in [-2, 2]"),
     "frequency_penalty": (False, lambda v: -2 <= v <= 2, "in [-2, 2]"),
     "seed": (True, lambda v: True, "an int or None"),
+    "min_tokens": (True, lambda v: v >= 0, ">= 0"),
     "logprobs": (True, lambda v: v >= 0, ">= 0"),
     "prompt_logprobs": (True, lambda v: v >= 0, ">= 0"),
 }
@@ -69,6 +70,17 @@ def _stop_strings(stop) -> tuple[str, ...]:
         if not isinstance(s, str) or not s:
             raise ValueError(f"SamplingParams: stop[{i}]={s!r} must be a non-empty string")
     return tuple(stop)
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias in [-100, 100]} (OpenAI's range; vLLM clamps to it, here it is refused outside)."""
+    if bias is None or not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"SamplingParams: logit_bias={bias!r} must be a dict of token id -> bias")
+    return {_checked(f"logit_bias key {t!r}", t, True, lambda v: v >= 0, ">= 0 (a token id)"):
+            _checked(f"logit_bias[{t}]", b, False, lambda v: -100 <= v <= 100, "in [-100, 100]")
+            for t, b in bias.items()}
 
 
 def _stop_ids(ids) -> tuple[int, ...]:
@@ -100,6 +112,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None    # per prompt token: its logprob + the top-N (prompt_logprobs.py)
     structured_outputs: StructuredOutputsParams | None = None   # a JSON schema / regex / choice / grammar
+    min_tokens: int = 0                   # EOS, stop token ids and stop strings cannot end it before this many
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (not to logprobs)
 
     def __post_init__(self):
         for name, (integer, ok, allowed) in _RULES.items():
@@ -111,6 +125,10 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams: {name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams: min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; "
+                             f"lower min_tokens or raise max_tokens")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("SamplingParams: max_tokens=0 generates nothing; it is allowed only with "
                              "prompt_logprobs (score the prompt): set prompt_logprobs=0, or max_tokens >= 1")
@@ -268,15 +286,17 @@ def mask_padding(logits: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def sample(logits: jax.Array, tensors: SamplingTensors, step: int | jax.Array = 0,
            prompt_mask: jax.Array | None = None, output_counts: jax.Array | None = None,
-           num_logprobs: int = 0) -> tuple[jax.Array, TokenLogprobs]:
+           num_logprobs: int = 0, bias: jax.Array | None = None) -> tuple[jax.Array, TokenLogprobs]:
     """logits[B, V] -> (tokens i32[B], TokenLogprobs with N = num_logprobs).
 
     `step` (scalar or [B]) is folded into each row's key; pass each sequence's own output
     position so its draws depend only on its seed. Greedy rows take the argmax of the
-    penalized logits. Penalties apply when `prompt_mask` or `output_counts` is given.
+    penalized logits. Penalties apply when `prompt_mask` or `output_counts` is given;
+    `bias` f32[B, V] (logit_bias) is added before them, after the raw logprobs are taken.
     """
     logits = mask_padding(logits)                                              # [B, V]
     raw = row_log_softmax(logits)
+    logits = logits if bias is None else logits + bias
     if prompt_mask is not None or output_counts is not None:
         prompt_mask = jnp.zeros(logits.shape, bool) if prompt_mask is None else prompt_mask
         output_counts = jnp.zeros(logits.shape, jnp.int32) if output_counts is None else output_counts
@@ -292,10 +312,10 @@ def sample(logits: jax.Array, tensors: SamplingTensors, step: int | jax.Array = 
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def greedy(logits: jax.Array, num_logprobs: int = 0) -> tuple[jax.Array, TokenLogprobs]:
+def greedy(logits: jax.Array, num_logprobs: int = 0, bias: jax.Array | None = None) -> tuple[jax.Array, TokenLogprobs]:
     """`sample` for a batch whose rows are all greedy and unpenalized: argmax, no PRNG, no sort."""
     logits = mask_padding(logits)
-    tokens = argmax(logits)
+    tokens = argmax(logits if bias is None else logits + bias)
     return tokens, _logprobs(row_log_softmax(logits), tokens, num_logprobs)
 
 

@@ -382,7 +382,8 @@ class EngineCore:
         `min_tokens` has its end tokens (EOS, stop_token_ids) taken out."""
         sampled = [(gi, i, row) for gi, rows in enumerate(batch.rows) for i, row in sampled_rows(rows)]
         rows = [(gi, i, row) for gi, i, row in sampled if row.request.matcher is not None]
-        short = [(gi, i, row) for gi, i, row in sampled if row.request.num_output_tokens < row.request.params.min_tokens]
+        short = [(gi, i, row) for gi, i, row in sampled
+                 if row.request.num_output_tokens < row.request.params.min_tokens]
         if not rows and not short:
             return None
         t = time.perf_counter()

@@ -172,7 +172,8 @@ class OutputProcessor:
         s.finish_reason, s.stop_reason = reason, stop_reason
         if s.detok is None and self.tokenizer is not None:
             hidden = int(isinstance(stop_reason, int) and not s.params.include_stop_str_in_output)
-            s.text = _whole_characters(self.tokenizer.decode(s.tokens[:len(s.tokens) - hidden], skip_special_tokens=True))
+            text = self.tokenizer.decode(s.tokens[:len(s.tokens) - hidden], skip_special_tokens=True)
+            s.text = _whole_characters(text)
         del self.children[child_id]
         if state.finished:
             state.metrics.finished_time = now

@@ -5,8 +5,9 @@
         OpenAI(base_url=srv.base, api_key="x").completions.create(...)
 
 `tiny_server` (session) serves the tiny tokenized Llama (SmolLM2's tokenizer) at tp = 2 on
-2 simulated devices as model "tiny", with `--tool-call-parser hermes` and compact constrained JSON
-(`--structured-outputs-config`); test modules share it. Metrics helpers read /metrics.
+2 simulated devices as model "tiny", with compact constrained JSON (`--structured-outputs-config`) and no
+`--tool-call-parser` (tool_choice "auto" reads calls with the parser chosen from the chat template); test
+modules share it. Metrics helpers read /metrics.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tp_jax.multihost.launcher import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_ARGS = ["--tp", "2", "--simulate-devices", "2", "--served-model-name", "tiny", "--max-model-len", "256",
-             "--tool-call-parser", "hermes", "--structured-outputs-config", "{\"disable_any_whitespace\": true}",
+             "--structured-outputs-config", "{\"disable_any_whitespace\": true}",
              "--max-num-seqs", "32"]
 READY_TIMEOUT_S = 600
 

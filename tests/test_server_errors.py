@@ -49,8 +49,22 @@ CASES = [
     ("image content", "chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      ["messages.0.content must be a string or a list of"], "messages"),
-    ("unknown field", "completions", {"prompt": "Hi", "frobnicate": 1}, ["unknown field 'frobnicate'", "remove it"],
-     "frobnicate"),
+    ("a vLLM field not implemented here, not at its neutral value", "completions",
+     {"prompt": "Hi", "use_beam_search": True}, ["use_beam_search=True is not supported", "leave it out"], None),
+    ("temperature above OpenAI's 2", "chat/completions", {"messages": CHAT, "temperature": 2.5},
+     ["temperature", "less than or equal to 2"], "temperature"),
+    ("more than 4 stop strings", "completions", {"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]},
+     ["stop has 5 strings", "at most 4"], None),
+    ("min_tokens above max_tokens", "completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3},
+     ["min_tokens=3 exceeds max_tokens=2"], None),
+    ("logit_bias key not a token id", "completions", {"prompt": "Hi", "logit_bias": {"hello": 1}},
+     ["logit_bias keys must be token ids", "'hello'"], None),
+    ("logit_bias out of range", "completions", {"prompt": "Hi", "logit_bias": {"5": 101}},
+     ["logit_bias.5", "less than or equal to 100"], "logit_bias"),
+    ("logit_bias naming a token outside the vocabulary", "completions", {"prompt": "Hi", "logit_bias": {"60000": 1}},
+     ["logit_bias names token ids outside [0, 49152)", "60000"], "prompt"),
+    ("continue_final_message with add_generation_prompt", "chat/completions",
+     {"messages": CHAT, "continue_final_message": True}, ["cannot take add_generation_prompt=true"], None),
     ("top_k of the wrong type", "completions", {"prompt": "Hi", "top_k": "many"}, ["top_k", "valid integer"], "top_k"),
     ("logprobs over 20", "completions", {"prompt": "Hi", "logprobs": 21}, ["logprobs", "less than or equal to 20"],
      "logprobs"),
@@ -110,8 +124,8 @@ def test_the_openai_client_sees_the_message(tiny_server):
     client = OpenAI(base_url=tiny_server.base, api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError, match="max_model_len=256"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 300}])
-    with pytest.raises(openai.BadRequestError, match="unknown field 'frobnicate'"):
-        client.completions.create(model="tiny", prompt="Hi", extra_body={"frobnicate": 1})
+    with pytest.raises(openai.BadRequestError, match="use_beam_search=True is not supported"):
+        client.completions.create(model="tiny", prompt="Hi", extra_body={"use_beam_search": True})
 
 
 def test_unknown_route_is_404_in_the_same_shape(tiny_server):

@@ -1,9 +1,12 @@
 """Structured outputs and tools through the real server (tests/server_process.py: a tiny random Llama with
-SmolLM2's tokenizer, `--tool-call-parser hermes`, compact JSON) and the real `openai` client: response_format
+SmolLM2's tokenizer, no --tool-call-parser, compact JSON) and the real `openai` client: response_format
 json_schema / json_object, vLLM's structured_outputs (choice, regex, grammar, json) on chat and completions,
-400s for bad schemas, tools with tool_choice required / named / auto, their streamed deltas, a follow-up
-`role: "tool"` turn, and 8 concurrent constrained requests beside an unconstrained one that keeps its solo
-tokens. The model's outputs are garbage unless constrained, so every check of validity can fail."""
+400s for bad schemas, tools with tool_choice required / named / auto (the parser chosen from the template,
+the tools described in the prompt), their streamed argument deltas, a follow-up `role: "tool"` turn,
+LangChain's ChatOpenAI (bind_tools, with_structured_output), a reasoning parser chosen from a thinking
+template (in process, over the reference engine), and 8 concurrent constrained requests beside an
+unconstrained one that keeps its solo tokens. The model's outputs are garbage unless constrained, so every
+check of validity can fail."""
 
 import asyncio
 import json
@@ -118,23 +121,34 @@ def test_tool_choice_required_and_named_make_valid_calls_whole_and_streamed(clie
         if isinstance(choice, dict):
             assert calls[0].function.name == "get_time"
         jsonschema.validate(json.loads(calls[0].function.arguments), schemas[calls[0].function.name])
-        names, args, finish = {}, {}, None
+        names, args, finish, pieces = {}, {}, None, 0
         for ch in client.chat.completions.create(**kw, stream=True):
             for c in ch.choices:
                 finish = c.finish_reason or finish
                 for d in c.delta.tool_calls or ():
                     if d.function.name:
                         names[d.index] = d.function.name
+                        assert d.id.startswith("call_") and d.type == "function"
                     args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
-        assert finish == "tool_calls"
+                    pieces += 1
+        assert finish == "tool_calls" and pieces > 2                  # the arguments came as they were sampled
         assert (names, args) == ({0: calls[0].function.name}, {0: calls[0].function.arguments})
 
 
-def test_tool_choice_auto_returns_the_text_when_the_model_makes_no_call(client, ref):
-    """The random model never writes <tool_call>: auto answers with its text (what the engine samples)."""
+def test_tool_choice_auto_returns_the_text_when_the_model_makes_no_call(tiny_server, client, ref):
+    """No --tool-call-parser: SmolLM2's template renders no tools, so the server chose hermes and describes the
+    tools in a system message. The random model never writes <tool_call>: auto answers with its text."""
+    from tp_jax.server.tools import with_tools_described
+    assert "chat: tool calls: hermes (the chat template has no tool-call format; the template renders no tools" \
+        in tiny_server.log()
     got = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=10, seed=2)
     c = got.choices[0]
     assert c.message.tool_calls is None and c.finish_reason == "length" and c.message.content
+    tok = ref.get_tokenizer()
+    described = tok.apply_chat_template(with_tools_described(ASK, [WEATHER]), tokenize=False,
+                                        add_generation_prompt=True)
+    assert "<tools>\n" + json.dumps(WEATHER) in described
+    assert got.usage.prompt_tokens == len(tok.encode(described, add_special_tokens=False))
     text, finish, _ = chat_text(client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER],
                                                                max_tokens=10, seed=2, stream=True))
     assert (text, finish) == (c.message.content, "length")
@@ -155,6 +169,73 @@ def test_a_follow_up_turn_with_tool_results_renders_through_the_template(client,
         tools=[WEATHER], tokenize=False, add_generation_prompt=True)
     assert "18 C, sunny" in rendered
     assert got.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+
+
+def test_langchain_chat_openai_binds_tools_and_parses_structured_output(tiny_server):
+    """LangChain's ChatOpenAI as users point it at vLLM: bind_tools with the default tool_choice (auto) answers
+    an AIMessage; with_structured_output (json_schema) returns the Pydantic instance."""
+    from langchain_core.messages import AIMessage
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=8)
+        sunny: bool
+
+    llm = ChatOpenAI(model="tiny", base_url=tiny_server.base, api_key="unused", max_tokens=24, seed=1,
+                     max_retries=0, timeout=600)
+    answer = llm.bind_tools([WEATHER]).invoke("What is the weather in Paris?")
+    assert isinstance(answer, AIMessage)
+    assert answer.response_metadata["finish_reason"] in ("length", "stop", "tool_calls")
+    city = llm.with_structured_output(City, method="json_schema").invoke("Name a sunny city.")
+    assert isinstance(city, City) and len(city.name) <= 8
+
+
+THINKING = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+            "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+            "{% if enable_thinking is not defined or enable_thinking %}{{ '<think>\\n' }}{% endif %}{% endif %}")
+
+
+def test_a_thinking_template_reads_the_answer_as_reasoning(ref):
+    """A template that opens <think> in the prompt: deepseek_r1 is chosen, so the random model's answer (which
+    never closes the block) is all reasoning_content, whole and streamed, equal to the engine's own text;
+    chat_template_kwargs enable_thinking=False reaches the template and turns the parser off."""
+    import copy
+
+    import httpx
+    from tp_jax.server.app import create_app
+    from tp_jax.server.reasoning import split
+    from tp_jax.serving.async_engine import AsyncLLMEngine
+    tok = copy.deepcopy(ref.get_tokenizer())       # the loaded tokenizer is shared (lru_cache): change a copy
+    tok.chat_template = THINKING
+    aengine = AsyncLLMEngine(ref.engine)
+    app = create_app(aengine, tok, model_names=["tiny"], max_model_len=256)
+    assert app.state.handler.format.reasoning_parser == "deepseek_r1"
+    kw = dict(model="tiny", messages=ASK, max_tokens=12, seed=4)
+
+    async def scenario():
+        async with AsyncOpenAI(base_url="http://app/v1", api_key="x", http_client=httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://app")) as ac:
+            whole = await ac.chat.completions.create(**kw)
+            chunks = [c async for c in await ac.chat.completions.create(**kw, stream=True)]
+            off = await ac.chat.completions.create(**kw,
+                                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            return whole, chunks, off
+
+    try:
+        whole, chunks, off = asyncio.run(scenario())
+    finally:
+        aengine.shutdown()
+    prompt = tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    text = ref.generate([ids], SamplingParams(max_tokens=12, seed=4))[0].outputs[0].text
+    m = whole.choices[0].message
+    assert (m.model_extra["reasoning_content"], m.content) == split("deepseek_r1", text) == (text, None)
+    streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
+    assert streamed == text and not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert off.choices[0].message.content and "reasoning_content" not in off.choices[0].message.model_extra
+    unthinking = tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert off.usage.prompt_tokens == len(tok.encode(unthinking, add_special_tokens=False)) < len(ids)
 
 
 def test_8_concurrent_constrained_beside_an_unconstrained_request(tiny_server, client):

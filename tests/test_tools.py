@@ -1,6 +1,7 @@
-"""Tool calling's front-door pieces: the hermes and llama3_json parsers, the streamed deltas of each
-tool_choice (fed a few characters at a time, as tokens arrive), the `required` schema, and the chat
-template receiving `tools=` and an earlier call's arguments as a dict (a Qwen2.5-style template)."""
+"""Tool calling's front-door pieces: the four parsers (hermes, llama3_json, mistral, qwen3_coder), the streamed
+deltas of each tool_choice (fed a few characters at a time, as tokens arrive: a call's argument pieces join
+up to the whole answer's arguments), the `required` schema, and the chat template receiving `tools=` and an
+earlier call's arguments as a dict (a Qwen2.5-style template)."""
 
 import copy
 import json
@@ -12,6 +13,7 @@ import pytest
 from tp_jax.server.constraints import Tool
 from tp_jax.server.handlers import Handler
 from tp_jax.server.protocol import ChatCompletionRequest
+from tp_jax.server.tool_parsers import MistralParser, Qwen3CoderParser
 from tp_jax.server.tools import HermesParser, Llama3JsonParser, ToolMode, ToolStream, required_schema
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -23,6 +25,12 @@ HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci
           '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
 LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", ' \
         '"parameters": {"zone": "CET"}}'
+MISTRAL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", ' \
+          '"arguments": {"zone": "CET"}}]'
+CODER = ('Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n'
+         '</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n'
+         '</tool_call>')
+REQUIRED = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":{"zone":"CET"}}]'
 CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
 
 QWEN_STYLE = """{%- if tools %}<|im_start|>system
@@ -53,6 +61,11 @@ def test_parsers_read_their_family_s_calls():
     assert content is None and _calls(calls) == CALLS
     for parser in (HermesParser(), Llama3JsonParser()):
         assert parser.parse("Paris is sunny.") == ("Paris is sunny.", [])
+    content, calls = MistralParser().parse(MISTRAL)
+    assert content is None and _calls(calls) == CALLS
+    assert _calls(MistralParser().parse(MISTRAL.removeprefix("[TOOL_CALLS]"))[1]) == CALLS   # the marker skipped
+    content, calls = Qwen3CoderParser(TOOLS).parse(CODER)
+    assert content == "Let me check." and _calls(calls) == CALLS
     broken = 'Hm <tool_call>{"name": "get_weather", "arguments": {"city"'
     assert HermesParser().parse(broken) == (broken, [])                # not a call: the text is the answer
     assert Llama3JsonParser().parse('{"city": "Paris"}') == ('{"city": "Paris"}', [])   # no name
@@ -66,16 +79,46 @@ def _stream(mode: ToolMode, text: str, step: int = 3, finish: str = "stop"):
     return deltas
 
 
-@pytest.mark.parametrize("parser,text", [("hermes", HERMES), ("llama3_json", LLAMA)])
-def test_auto_streams_content_then_the_calls(parser, text):
-    deltas = _stream(ToolMode("auto", TOOLS, parser=parser), text)
+def _joined(deltas) -> dict[int, tuple[str, str]]:
+    """Each streamed call as (name, its argument pieces joined), checking vLLM's delta shapes on the way."""
+    calls = {}
+    for d, _ in deltas:
+        for c in d.get("tool_calls", ()):
+            if c["index"] not in calls:          # the first delta of a call: index, id, type, function.name
+                assert c["id"].startswith("call_") and c["type"] == "function" and c["function"]["name"]
+                calls[c["index"]] = (c["function"]["name"], c["function"]["arguments"])
+            else:                                # later ones: arguments only
+                assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}
+                calls[c["index"]] = (calls[c["index"]][0], calls[c["index"]][1] + c["function"]["arguments"])
+    return calls
+
+
+@pytest.mark.parametrize("choice,parser,text", [("auto", "hermes", HERMES), ("auto", "llama3_json", LLAMA),
+                                                ("auto", "mistral", MISTRAL), ("auto", "qwen3_coder", CODER),
+                                                ("required", None, REQUIRED)])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_calls_stream_their_arguments_as_sampled_and_join_up_to_the_whole_answer(choice, parser, text, step):
+    mode = ToolMode(choice, TOOLS, parser=parser)
+    deltas = _stream(mode, text, step)
     content = "".join(d.get("content", "") for d, _ in deltas)
-    calls = [c for d, _ in deltas for c in d.get("tool_calls", ())]
-    assert content == ("Let me check.\n" if parser == "hermes" else "")    # nothing of a call leaks as text
-    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [(i, n, a) for i, (n, a) in enumerate(CALLS)]
-    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
-    assert [r for _, r in deltas] == [None] * (len(deltas) - 1) + ["tool_calls"]
+    whole, reason = mode.message(text, "stop")
+    assert content.strip() == (whole["content"] or "")           # nothing of a call leaks as text
+    assert _joined(deltas) == {i: (c["function"]["name"], c["function"]["arguments"])
+                               for i, c in enumerate(whole["tool_calls"])}
+    assert [(n, json.loads(a)) for n, a in _joined(deltas).values()] == CALLS
+    assert [r for _, r in deltas] == [None] * (len(deltas) - 1) + ["tool_calls"] and reason == "tool_calls"
+    if step == 1:                                # arguments arrive in pieces, before the answer ends
+        pieces = [d for d, _ in deltas[:-1] if any("id" not in c for c in d.get("tool_calls", ()))]
+        assert len(pieces) >= 2
+
+
+def test_qwen3_coder_values_take_the_type_of_their_parameter():
+    tools = [Tool(type="function", function={"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}, "s": {"type": "string"}, "o": {"type": "object"}, "b": {"type": "boolean"}}}})]
+    text = ("<tool_call>\n<function=f>\n<parameter=n>\n42\n</parameter>\n<parameter=s>\n42\n</parameter>\n"
+            "<parameter=o>\n{\"k\": [1]}\n</parameter>\n<parameter=b>\ntrue\n</parameter>\n</function>\n</tool_call>")
+    (call,) = Qwen3CoderParser(tools).parse(text)[1]
+    assert json.loads(call.arguments) == {"n": 42, "s": "42", "o": {"k": [1]}, "b": True}
 
 
 def test_auto_streams_plain_text_whole_including_a_false_start():
@@ -85,7 +128,7 @@ def test_auto_streams_plain_text_whole_including_a_false_start():
     assert deltas[-1][1] == "length" and not any("tool_calls" in d for d, _ in deltas)
 
 
-def test_named_streams_arguments_as_sampled_and_required_at_the_end():
+def test_named_streams_arguments_as_sampled_and_a_cut_short_required_answer_is_text():
     args = '{"zone": "UTC"}'
     deltas = _stream(ToolMode("named", TOOLS, name="get_time"), args)
     first = deltas[0][0]["tool_calls"][0]
@@ -93,12 +136,10 @@ def test_named_streams_arguments_as_sampled_and_required_at_the_end():
     assert "".join(d["tool_calls"][0]["function"]["arguments"] for d, _ in deltas if d) == args
     assert deltas[-1][1] == "tool_calls"
     out = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
-    deltas = _stream(ToolMode("required", TOOLS), out)
-    assert all(d == {} for d, _ in deltas[:-1])
-    (call,) = deltas[-1][0]["tool_calls"]
-    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("get_weather", {"city": "Oslo"})
     msg, reason = ToolMode("required", TOOLS).message(out[:20], "length")     # cut short: text, no calls
     assert msg["content"] == out[:20] and "tool_calls" not in msg and reason == "length"
+    deltas = _stream(ToolMode("required", TOOLS), out[:12], finish="length")  # before a name: the text
+    assert "".join(d.get("content", "") for d, _ in deltas) == out[:12] and deltas[-1][1] == "length"
 
 
 def test_required_schema_takes_calls_of_the_tools_only():

@@ -80,8 +80,8 @@ def test_readme_serve_command_parses():
 # --- one command line: shared engine flags, one LLM, the exits (issue 22) -----------------------------
 
 SERVER_ONLY = {"--model", "--host", "--port", "--served-model-name", "--api-key", "--warmup", "--shutdown-timeout",
-               "--tool-call-parser", "--enable-auto-tool-choice", "--log-level", "--disable-access-log",
-               "--lora-modules", "--allow-runtime-lora-updating"}
+               "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser", "--log-level",
+               "--disable-access-log", "--lora-modules", "--allow-runtime-lora-updating"}
 
 
 def _flags(help_text: str) -> set[str]:

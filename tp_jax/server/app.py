@@ -5,9 +5,11 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both stream with `stream: true`),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). With `api_key`, every
-`/v1/` route needs `Authorization: Bearer <api_key>` (401 otherwise); `/health` and
-`/metrics` stay open. Every error is OpenAI's body, `{"error": {"message", "type", "param",
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text), and vLLM's `POST /tokenize`,
+`POST /detokenize`, `GET /version`, `GET|POST /ping` (tokenization.py); the Responses API,
+`POST /v1/responses`, `GET|DELETE /v1/responses/{id}`, `.../cancel` (responses_api.py). With
+`api_key`, every `/v1/` route needs `Authorization: Bearer <api_key>` (401 otherwise); the others stay open,
+as in vLLM. Every error is OpenAI's body, `{"error": {"message", "type", "param",
 "code"}}`: a bad request is refused with 400 naming the field and the fix, before the engine
 sees it. A client that disconnects stops its request (streaming or not): its KV blocks are
 freed. When the server stops, the engine is shut down (in-flight requests aborted).
@@ -20,6 +22,7 @@ import contextlib
 import hmac
 import logging
 import time
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,6 +35,8 @@ from tp_jax.server.metrics import ServerMetrics
 from tp_jax.server.openapi import install_openapi
 from tp_jax.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                                    UnloadLoRAAdapterRequest)
+from tp_jax.server.responses_api import ResponsesAPI, responses_router
+from tp_jax.server.tokenization import add_routes as add_tokenization_routes
 
 log = logging.getLogger("tp_jax.server")
 
@@ -44,14 +49,20 @@ _EXPECTED = {"prompt": "a string, a list of strings, a list of token ids, or a l
 def create_app(aengine, tokenizer, *, model_names: list[str], max_model_len: int, api_key: str | None = None,
                model_root: str | None = None, shutdown_timeout_s: float = 5.0,
                tool_parser: str | None = None, lora_modules: dict | None = None,
-               runtime_lora: bool = False) -> FastAPI:
+               runtime_lora: bool = False, reasoning_parser: str | None = None) -> FastAPI:
     """The app over a running AsyncLLMEngine; it shuts the engine down when the server stops.
-    `tool_parser`: how tool_choice "auto" reads the model's calls (tp_jax/server/tools.py PARSERS). The engine's
+    `tool_parser`, `reasoning_parser`: how tool_choice "auto" reads the model's calls (tool_parsers.py PARSERS) and
+    which thoughts move to `reasoning_content` (reasoning.py); None: chosen from the chat template. The engine's
     structured-output defaults (EngineArgs.structured_outputs_config) are applied by the engine itself.
     `lora_modules`: adapter name -> LoRARequest, served as models of their own; `runtime_lora`: adapters may be
     loaded and unloaded while serving (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`)."""
     metrics = ServerMetrics(aengine)
-    handler = Handler(aengine, tokenizer, model_names, max_model_len, metrics, tool_parser, lora_modules)
+    handler = Handler(aengine, tokenizer, model_names, max_model_len, metrics, tool_parser, lora_modules,
+                      reasoning_parser)
+    if tokenizer is not None:
+        log.info("chat: %s", handler.format.describe())
+        for warning in handler.format.warnings:
+            log.warning("%s", warning)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -74,6 +85,8 @@ def create_app(aengine, tokenizer, *, model_names: list[str], max_model_len: int
                                          type="internal_server_error").body(), status_code=503)
         return {"status": "ok"}
 
+    add_tokenization_routes(app, handler, health)          # /tokenize, /detokenize, /version, /ping
+
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -81,7 +94,8 @@ def create_app(aengine, tokenizer, *, model_names: list[str], max_model_len: int
     @app.get("/v1/models")
     async def models():
         card = lambda name, root, parent: {"id": name, "object": "model", "created": created, "owned_by": "tp_jax",
-                                           "root": root, "parent": parent, "max_model_len": max_model_len}
+                                           "root": root, "parent": parent, "max_model_len": max_model_len,
+                                           "permission": [model_permission(created)]}
         return {"object": "list", "data": [card(name, model_root or name, None) for name in model_names] +
                 [card(name, lora.lora_path, model_names[0]) for name, lora in handler.loras.items()]}
 
@@ -110,7 +124,16 @@ def create_app(aengine, tokenizer, *, model_names: list[str], max_model_len: int
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _answer(request, handler, handler.chat_job(body))
 
+    app.include_router(responses_router(ResponsesAPI(handler), _unless_disconnected))     # /v1/responses...
     return app
+
+
+def model_permission(created: int) -> dict:
+    """vLLM's ModelPermission entry of a /v1/models card (clients that read it find vLLM's values)."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 async def _answer(request: Request, handler: Handler, job):

@@ -14,6 +14,7 @@ the requests and frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -25,13 +26,19 @@ from tp_jax.server.echo import join, prompt_logprobs_field, prompt_part
 from tp_jax.server.metrics import ServerMetrics
 from tp_jax.server.protocol import ChatCompletionRequest, CompletionRequest, requested_logprobs, sampling_params
 from tp_jax.server.constraints import request_constraint
-from tp_jax.server.tools import ToolMode, ToolStream, for_template
-from tp_jax.server.responses import ChoiceDelta, Delta, Tokens, chat_logprobs, completion_logprobs, usage
+from tp_jax.server.chat_format import ChatFormat, choose as choose_chat_format
+from tp_jax.server.chat_output import ChoiceStream, message as chat_message
+from tp_jax.server.reasoning import wanted as reasoning_wanted
+from tp_jax.server.tools import ToolMode, for_template, with_tools_described
+from tp_jax.server.responses import TOKEN_IDS, ChoiceDelta, Delta, Tokens, chat_logprobs, completion_logprobs, usage
 from tp_jax.serving.llm_engine import PreparedRequest
 from tp_jax.serving.outputs import CompletionOutput, RequestOutput
 from tp_jax.serving.sampling import SamplingParams
 
 log = logging.getLogger("tp_jax.server")
+# apply_chat_template's own arguments: refused in chat_template_kwargs (the template's variables pass)
+_TEMPLATE_CALL_ARGS = {"conversation", "tools", "documents", "chat_template", "tokenize", "return_dict", "padding",
+                       "truncation", "max_length", "return_tensors", "tokenizer_kwargs", "return_assistant_tokens_mask"}
 
 
 class APIError(Exception):
@@ -57,6 +64,7 @@ class Job:
     request: CompletionRequest | ChatCompletionRequest
     echo_texts: list[str] | None = None           # completions with echo=true: each prompt's text
     tools: ToolMode | None = None                 # chat with tools (auto / required / named): calls parsed
+    reasoning: str | None = None                  # chat read with a reasoning parser (reasoning.py)
     prepared: list[PreparedRequest] = dataclasses.field(default_factory=list)   # per prompt, as queued
 
     @property
@@ -66,11 +74,13 @@ class Job:
 
 class Handler:
     def __init__(self, aengine, tokenizer, model_names: list[str], max_model_len: int, metrics: ServerMetrics,
-                 tool_parser: str | None = None, lora_modules: dict | None = None):
-        """`lora_modules`: served adapter name -> LoRARequest (`model=name` selects it)."""
+                 tool_parser: str | None = None, lora_modules: dict | None = None,
+                 reasoning_parser: str | None = None):
+        """`lora_modules`: served adapter name -> LoRARequest (`model=name` selects it). `tool_parser`,
+        `reasoning_parser`: the flags' choices; None: chosen from the chat template (chat_format.py)."""
         self.aengine, self.tokenizer, self.names = aengine, tokenizer, list(model_names)
         self.loras = dict(lora_modules or {})
-        self.tool_parser = tool_parser                # tools.PARSERS key for tool_choice "auto", or None
+        self.format: ChatFormat = choose_chat_format(tokenizer, tool_parser, reasoning_parser)
         self.max_model_len, self.metrics = max_model_len, metrics
         self.tokens = Tokens(tokenizer)
         self.active: set[str] = set()                # engine request ids in flight
@@ -88,7 +98,8 @@ class Handler:
             raise APIError(400, "max_tokens=0 generates nothing: it is allowed only with echo=true (return the "
                                 "prompt) or prompt_logprobs (score it); set one, or max_tokens >= 1", param="max_tokens")
         texts = req.prompts()
-        prompts = [self._encode(p, "prompt" if len(texts) == 1 else f"prompt {i}") for i, p in enumerate(texts)]
+        prompts = [self._encode(p, "prompt" if len(texts) == 1 else f"prompt {i}", req.add_special_tokens)
+                   for i, p in enumerate(texts)]
         job = self._job(False, "cmpl", req, prompts, req.max_tokens)
         if req.echo:
             job.echo_texts = [t if isinstance(t, str) else self._decode(ids) for t, ids in zip(texts, prompts)]
@@ -98,47 +109,65 @@ class Handler:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
+        mode = self._tool_mode(req)
+        job = self._job(True, "chatcmpl", req, [self.chat_prompt(req)], req.token_limit, mode)
+        job.reasoning = reasoning_wanted(self.format.reasoning_parser, req.chat_template_kwargs,
+                                         job.params.structured_outputs is not None)
+        return job
+
+    def chat_prompt(self, req) -> list[int]:
+        """The token ids the chat template makes of `req.messages` (a chat completion's or `/tokenize`'s): what
+        the engine is fed. Optional fields read: `continue_final_message`, `chat_template_kwargs`,
+        `add_special_tokens` (vLLM's; absent: False, none, False)."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with token "
                                 "ids", param="messages")
-        mode = self._tool_mode(req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        extra = getattr(req, "chat_template_kwargs", None) or {}
+        if own := sorted(_TEMPLATE_CALL_ARGS & extra.keys()):
+            raise APIError(400, f"chat_template_kwargs sets {', '.join(own)}: arguments of the template call, not "
+                                f"variables of the template; remove them", param="chat_template_kwargs")
+        kwargs = {**extra, "add_generation_prompt": req.add_generation_prompt,
+                  "continue_final_message": getattr(req, "continue_final_message", False)}
+        messages = req.conversation()
+        if tools and self.format.inject_tools and getattr(req, "tool_choice_name", "auto") == "auto":
+            messages = with_tools_described(messages, tools)     # the template renders none: for "auto" to read
         try:
-            text = self.tokenizer.apply_chat_template([for_template(m) for m in req.conversation()], tools=tools,
-                                                      tokenize=False, add_generation_prompt=req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template([for_template(m) for m in messages], tools=tools,
+                                                      tokenize=False, **kwargs)
         except Exception as e:                         # the template's own complaint (jinja, missing template)
             raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        return self._job(True, "chatcmpl", req, [ids], req.token_limit, mode)
+        return list(self.tokenizer.encode(text, add_special_tokens=getattr(req, "add_special_tokens", False)))
 
     def _tool_mode(self, req: ChatCompletionRequest) -> ToolMode | None:
         choice = req.tool_choice_name
         if choice == "none":
             return None
-        if choice == "auto" and self.tool_parser is None:
-            raise APIError(400, 'tool_choice "auto" (the default with tools) needs a server started with '
-                                '--tool-call-parser (hermes, llama3_json) to read the model\'s calls; send tool_choice '
-                                '"required", a named function or "none", or restart the server with the flag',
-                           param="tool_choice")
         name = req.tool_choice.function.name if choice == "named" else None
-        return ToolMode(choice, list(req.tools), name, self.tool_parser, req.parallel_tool_calls is not False)
+        return ToolMode(choice, list(req.tools), name, self.format.tool_parser, req.parallel_tool_calls is not False)
 
-    def _encode(self, prompt: str | list[int], where: str) -> list[int]:
+    def _encode(self, prompt: str | list[int], where: str, special: bool = True) -> list[int]:
         if isinstance(prompt, list):
             return prompt
         if not prompt:
             raise APIError(400, f"{where} is an empty string; give some text or token ids", param="prompt")
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer files: send the prompt as token ids", param="prompt")
-        return list(self.tokenizer.encode(prompt))
+        return list(self.tokenizer.encode(prompt, add_special_tokens=special))
+
+    def served(self, model: str | None):
+        """The LoRARequest a request's `model` names (None: the base model); 404 model_not_found if not served."""
+        if model is None or model in self.names:
+            return None
+        if model not in self.loras:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in [*self.names, *self.loras])} (GET /v1/models)",
+                           param="model", code="model_not_found")
+        return self.loras[model]
 
     def _job(self, chat: bool, prefix: str, req, prompts: list[list[int]], max_tokens: int | None,
              tools: ToolMode | None = None) -> Job:
-        lora = None if req.model is None or req.model in self.names else self.loras.get(req.model)
-        if req.model is not None and req.model not in self.names and lora is None:
-            raise APIError(404, f"the model `{req.model}` does not exist; this server serves "
-                                f"{', '.join(repr(n) for n in [*self.names, *self.loras])} (GET /v1/models)",
-                           param="model", code="model_not_found")
+        lora = self.served(req.model)
         constraint = None
         try:
             constraint = request_constraint(req, None if tools is None else tools.constraint())
@@ -217,7 +246,7 @@ class Handler:
         n = job.params.n
         choices = [self._choice(job, i * n + c.index, c, final[i]) for i in sorted(final) for c in final[i].outputs]
         body = {"id": job.id, "object": job.object, "created": job.created, "model": job.model, "choices": choices,
-                "usage": self._usage(job, final.values())}
+                "usage": self._usage(job, final.values()), "system_fingerprint": None}
         if job.chat and job.request.prompt_logprobs is not None:          # vLLM: chat's is top-level
             body["prompt_logprobs"] = prompt_logprobs_field(final[0].prompt_token_ids, final[0].prompt_logprobs,
                                                             job.request.prompt_logprobs, self.tokens)
@@ -226,8 +255,11 @@ class Handler:
     def _choice(self, job: Job, index: int, c: CompletionOutput, out: RequestOutput) -> dict:
         lp = self._logprobs(job, Delta(c.token_ids, c.logprobs, c.text, None, None, 0))
         if job.chat:
-            message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason) if job.tools is None \
-                else job.tools.message(c.text, c.finish_reason)
+            message, reason = chat_message(c.text, c.finish_reason, job.tools, job.reasoning)
+            if job.request.functions is not None and message.get("tool_calls"):   # the deprecated form's answer
+                calls = message.pop("tool_calls")
+                message = {**message, "function_call": calls[0]["function"]}
+                reason = "function_call" if reason == "tool_calls" else reason
             return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason,
                     "stop_reason": c.stop_reason}
         text, lp, extra = self._with_prompt(job, index, out, c.text, lp, True)
@@ -237,14 +269,14 @@ class Handler:
     def _with_prompt(self, job: Job, index: int, out: RequestOutput, text: str, lp: dict | None, first: bool):
         """A completions choice's (text, logprobs, extra fields) with its prompt: echoed in front (`first`: the
         choice's first chunk, or the whole answer) and vLLM's `prompt_logprobs` field, when asked."""
-        r, i = job.request, index // job.params.n
+        r, i, tokens = job.request, index // job.params.n, self._tokens(job)
         extra = {}
-        if r.prompt_logprobs is not None and first:
-            extra["prompt_logprobs"] = prompt_logprobs_field(out.prompt_token_ids, out.prompt_logprobs,
-                                                             r.prompt_logprobs, self.tokens)
+        top = r.prompt_logprobs if r.prompt_logprobs is not None else r.logprobs if r.echo else None
+        if top is not None and first:             # vLLM: echo with logprobs scores the prompt, and says so here too
+            extra["prompt_logprobs"] = prompt_logprobs_field(out.prompt_token_ids, out.prompt_logprobs, top, tokens)
         if not r.echo:
             return text, lp, extra
-        prefix = prompt_part(job.echo_texts[i], out.prompt_token_ids, out.prompt_logprobs, r.logprobs, self.tokens)
+        prefix = prompt_part(job.echo_texts[i], out.prompt_token_ids, out.prompt_logprobs, r.logprobs, tokens)
         text, lp = join(prefix if first else None, len(job.echo_texts[i]), text, lp)
         return text, lp, extra
 
@@ -253,8 +285,12 @@ class Handler:
         if n is None or d.logprobs is None:
             return None
         if job.chat:
-            return chat_logprobs(d.token_ids, d.logprobs, n, self.tokens)
-        return completion_logprobs(d.token_ids, d.logprobs, n, self.tokens, d.text_offset)
+            return chat_logprobs(d.token_ids, d.logprobs, n, self._tokens(job))
+        return completion_logprobs(d.token_ids, d.logprobs, n, self._tokens(job), d.text_offset)
+
+    def _tokens(self, job: Job) -> Tokens:
+        """How logprobs name tokens: their text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+        return TOKEN_IDS if job.request.return_tokens_as_token_ids else self.tokens
 
     @staticmethod
     def _usage(job: Job, outs) -> dict:
@@ -262,16 +298,28 @@ class Handler:
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """Server-sent events: a chunk per new token(s) of each choice, usage if asked, then [DONE]."""
+        async with contextlib.aclosing(self.chunks(job)) as chunks:     # closing it aborts the engine requests
+            async for obj in chunks:
+                yield sse(obj)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self, job: Job) -> AsyncIterator[dict]:
+        """The stream's chunks as dicts (the Responses API's events are made from them); an engine failure
+        mid-stream: OpenAI's error body, then the usage chunk if asked."""
         n, include_usage = job.params.n, job.request.include_usage
         deltas = [ChoiceDelta(job.params.stop) for _ in range(len(job.prompts) * n)]
-        tool_streams = None if job.tools is None else [ToolStream(job.tools) for _ in deltas]
-        extra = {"usage": None} if include_usage else {}
-        chunk = lambda choices: sse({"id": job.id, "object": f"{job.object}.chunk" if job.chat else job.object,
-                                     "created": job.created, "model": job.model, "choices": choices, **extra})
+        tool_streams = None if job.tools is None and job.reasoning is None else \
+            [ChoiceStream(job.tools, job.reasoning) for _ in deltas]
+        continuous = include_usage and job.request.continuous_usage           # vLLM: usage so far in every chunk
+        last: dict[int, RequestOutput] = {}
+
+        def chunk(choices):
+            extra = {"usage": self._usage(job, last.values()) if continuous else None} if include_usage else {}
+            return {"id": job.id, "object": f"{job.object}.chunk" if job.chat else job.object, "created": job.created,
+                    "model": job.model, "choices": choices, **extra}
         if job.chat:
             yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for k in range(len(deltas))])
-        last: dict[int, RequestOutput] = {}
         try:
             async for i, out in self._run(job, stream=True):
                 last[i] = out
@@ -285,15 +333,13 @@ class Handler:
                     yield chunk(choices)
         except Exception as e:                         # the engine failed mid-stream: say so, then end it
             log.exception("request %s failed", job.id)
-            yield sse(APIError(500, f"the request failed: {e}", type="internal_server_error").body())
+            yield APIError(500, f"the request failed: {e}", type="internal_server_error").body()
         if include_usage:
-            yield sse({"id": job.id, "object": f"{job.object}.chunk" if job.chat else job.object,
-                       "created": job.created, "model": job.model, "choices": [],
-                       "usage": self._usage(job, last.values())})
-        yield "data: [DONE]\n\n"
+            yield {"id": job.id, "object": f"{job.object}.chunk" if job.chat else job.object,
+                   "created": job.created, "model": job.model, "choices": [], "usage": self._usage(job, last.values())}
 
     def _chunk_choice(self, job: Job, index: int, d: Delta, out: RequestOutput,
-                      tools: ToolStream | None = None) -> dict:
+                      tools: ChoiceStream | None = None) -> dict:
         common = {"index": index, "logprobs": self._logprobs(job, d), "finish_reason": d.finish_reason}
         if d.finish_reason is not None:
             common["stop_reason"] = d.stop_reason

@@ -5,8 +5,8 @@ every bad request with 400 and OpenAI's error body (`app.py`), and 401 on `/v1/`
 started with an API key. `install_openapi(app, authenticated=...)` replaces `app.openapi` with a
 document that drops the 422s and the validation-error schemas, and lists per route the statuses
 of `RESPONSES`, each error with the `ErrorResponse` schema; with a key, the `/v1/` routes
-declare bearer authentication. Streaming routes also list `text/event-stream` for 200, and
-`/metrics` answers `text/plain` (Prometheus' format).
+declare bearer authentication. Streaming routes also list `text/event-stream` for 200,
+`/metrics` answers `text/plain` (Prometheus' format) and `/ping`'s 200 has no body.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ NOT_FOUND = "the `model` is neither the served model nor a served LoRA adapter (
 INTERNAL = "the request failed inside the server (a failed engine); OpenAI's error body"
 UNAUTHORIZED = "no API key, or the wrong one: send `Authorization: Bearer <key>`"
 STREAM = "with `stream: true`, server-sent events: `data: {chunk}` lines, then `data: [DONE]`"
+EVENTS = "with `stream: true`, server-sent events: `event: <type>` and `data: {event}` per event, " \
+         "`response.created` first, `response.completed` (or `.incomplete`, `.failed`) last"
+NO_RESPONSE = "no stored response has this id (stored with store=false, deleted, or dropped: the server keeps " \
+              "the last 1000)"
 
 # path -> method -> {status: description}; statuses other than 200 carry ErrorResponse
 RESPONSES = {
@@ -43,11 +47,26 @@ RESPONSES = {
                                             "refused (its message names why)", 500: INTERNAL}},
     "/v1/unload_lora_adapter": {"post": {400: "runtime LoRA updating is off", 404: "no adapter of that name is "
                                          "served", 500: INTERNAL}},
+    "/v1/responses": {"post": {400: BAD_REQUEST, 404: f"{NOT_FOUND}, or `previous_response_id` names no stored "
+                                                     f"response", 500: INTERNAL}},
+    "/v1/responses/{response_id}": {"get": {404: NO_RESPONSE}, "delete": {404: NO_RESPONSE}},
+    "/v1/responses/{response_id}/cancel": {"post": {400: "the response is not running in the background (this "
+                                                         "server runs none: it answers when a response is done)",
+                                                    404: NO_RESPONSE}},
     "/health": {"get": {503: "the engine failed; OpenAI's error body"}},
     "/metrics": {"get": {}},
+    # vLLM's extras (tokenization.py), outside /v1
+    "/tokenize": {"post": {400: "a bad body (prompt and messages, neither, a chat-only field with prompt), a chat "
+                                "the template refuses, or a model without a tokenizer", 404: NOT_FOUND, 500: INTERNAL}},
+    "/detokenize": {"post": {400: "a bad body, or a token id outside the tokenizer's vocabulary (named)",
+                             404: NOT_FOUND, 500: INTERNAL}},
+    "/version": {"get": {}},
+    "/ping": {"get": {503: "the engine failed; OpenAI's error body"},
+              "post": {503: "the engine failed; OpenAI's error body"}},
 }
-STREAMING = ("/v1/completions", "/v1/chat/completions")
+STREAMING = {"/v1/completions": STREAM, "/v1/chat/completions": STREAM, "/v1/responses": EVENTS}
 PLAIN_TEXT = ("/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")     # Prometheus text; vLLM's "Success: ..."
+EMPTY = ("/ping",)                                  # 200 with no body, as vLLM's
 VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 
@@ -81,9 +100,11 @@ def truthful_document(app, authenticated: bool) -> dict:
                                                 "content": {"application/json": {"schema": ERROR_REF}}}
             if path in PLAIN_TEXT:
                 op["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+            if path in EMPTY:
+                op["responses"]["200"].pop("content", None)
             if path in STREAMING:
                 ok = op["responses"]["200"]
-                ok["description"] = f"{ok.get('description', 'Successful Response')}; {STREAM}"
+                ok["description"] = f"{ok.get('description', 'Successful Response')}; {STREAMING[path]}"
                 ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
     if authenticated:
         doc["components"]["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}

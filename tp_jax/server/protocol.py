@@ -1,12 +1,14 @@
 """The OpenAI request and response shapes the server speaks (pydantic), and their sampling options.
 
 * `CompletionRequest`, `ChatCompletionRequest` — what a client POSTs to `/v1/completions` and
-  `/v1/chat/completions`: OpenAI's fields plus vLLM's extra sampling fields (`top_k`, `min_p`,
+  `/v1/chat/completions`: OpenAI's fields plus vLLM's extra fields (`top_k`, `min_p`, `min_tokens`,
   `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-  `prompt_logprobs`); completions' `echo` and `max_tokens: 0` as OpenAI and vLLM define them.
-  Ranges are declared on the fields, so a bad value is refused (400) before anything runs;
-  unknown fields are refused too, naming the field. OpenAI fields this server does not
-  implement are accepted only at their neutral value (`logit_bias={}`, `suffix`, ...).
+  `prompt_logprobs`, `return_tokens_as_token_ids`, `continue_final_message`, ...); completions' `echo`
+  and `max_tokens: 0` as OpenAI and vLLM define them; chat's deprecated `functions` / `function_call`.
+  Ranges are declared on the fields (OpenAI's and vLLM's limits), so a bad value is refused (400)
+  before anything runs. Unknown fields are accepted and not used, as vLLM does (logged once per
+  name); vLLM's fields that would change the answer and are not implemented here are accepted only
+  at their neutral value (`use_beam_search=false`, `suffix`, ...).
 * `sampling_params(request, max_tokens)` — the engine's `SamplingParams` for a request.
 * `response_format`, `structured_outputs`, `tools`, `tool_choice` — see tp_jax/server/constraints.py.
 * The error body is tp_jax/server/openapi.py `ErrorResponse`.
@@ -16,15 +18,20 @@ Responses are built as plain dicts in OpenAI's layout (see tp_jax/server/respons
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tp_jax.server.constraints import NamedToolChoice, ResponseFormat, StructuredOutputsRequest, Tool
+from tp_jax.server.constraints import (FunctionDefinition, FunctionName, NamedToolChoice, ResponseFormat,
+                                       StructuredOutputsRequest, Tool)
 from tp_jax.serving.sampling import SamplingParams
 from tp_jax.serving.structured import StructuredOutputsParams
 
+log = logging.getLogger("tp_jax.server")
+
 MAX_LOGPROBS = 20           # the engine's max_logprobs (EngineConfig)
+MAX_STOP = 4                # stop strings per request (OpenAI's limit)
 
 _Prob = Annotated[float, Field(gt=0.0, le=1.0)]
 _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -33,16 +40,54 @@ _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False           # vLLM: usage in every chunk too
 
 
-class _Sampling(BaseModel):
+# vLLM's request fields that change the answer and that this server does not implement: accepted at their neutral
+# value only (a request vLLM serves differently is refused rather than answered otherwise)
+_NEUTRAL = {"use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True,
+            "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
+            "bad_words": [], "logits_processors": None, "priority": 0, "guided_json": None, "guided_regex": None,
+            "guided_choice": None, "guided_grammar": None, "structural_tag": None, "chat_template": None}
+# fields OpenAI or vLLM define that cannot change the answer: accepted and not used
+IGNORED = ("user", "store", "metadata", "service_tier", "request_id", "cache_salt", "kv_transfer_params",
+           "vllm_xargs", "mm_processor_kwargs", "guided_decoding_backend", "guided_whitespace_pattern",
+           "prediction", "modalities", "audio", "web_search_options", "safety_identifier", "prompt_cache_key",
+           "verbosity", "include_reasoning", "documents")
+_logged: set[str] = set()
+
+
+def log_ignored_once(names) -> None:
+    """Say once per field name that a request field is accepted and not used (vLLM logs them per request)."""
+    new = sorted(set(names) - _logged)
+    if new:
+        _logged.update(new)
+        log.warning("request fields accepted and not used by this server (said once): %s", ", ".join(new))
+
+
+class _Request(BaseModel):
+    """vLLM's rule for fields it does not know: accepted and not used (logged), never refused; its own fields
+    that would change the answer are refused unless at their neutral value (`_NEUTRAL`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _extras(self):
+        extra = dict(self.model_extra or {})
+        for name, neutral in _NEUTRAL.items():
+            if name in extra and extra[name] not in (neutral, None) and extra[name] != []:
+                raise ValueError(f"{name}={extra.pop(name)!r} is not supported by this server; leave it out "
+                                 f"(or send {neutral!r})")
+        log_ignored_once(extra)
+        return self
+
+
+class _Sampling(_Request):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None                      # None: the served model
     n: Annotated[int, Field(ge=1, le=128)] = 1
-    temperature: Annotated[float, Field(ge=0.0)] | None = None       # None: 1.0 (OpenAI's default)
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None       # None: 1.0 (OpenAI's default)
     top_p: _Prob | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     stop: str | list[str] | None = None
@@ -51,29 +96,38 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: _Penalty = 0.0
     frequency_penalty: _Penalty = 0.0
-    user: str | None = None                        # accepted, not used
-    logit_bias: dict[str, float] | None = None     # only empty: refused otherwise
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None   # token id -> bias
+    best_of: int | None = None                     # only best_of = n (vLLM's V1 engine has no best_of either)
     # vLLM's extra sampling fields
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None    # per prompt token, + top-N
+    return_tokens_as_token_ids: bool | None = None     # logprobs name tokens "token_id:<id>"
     # structured outputs (tp_jax/server/constraints.py): OpenAI's response_format, vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
     @model_validator(mode="after")
-    def _neutral_only(self):
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server; remove it")
+    def _limits(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
-        if isinstance(self.stop, list) and len(self.stop) > 16:
-            raise ValueError(f"stop has {len(self.stop)} strings; at most 16 are allowed")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP} are allowed (OpenAI's limit)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported (only best_of = n); leave it out")
+        bad = [k for k in self.logit_bias or () if not k.isdigit()]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids (strings of digits, e.g. \"50256\"); got {bad[0]!r}")
         return self
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def include_usage(self) -> bool:
@@ -87,13 +141,11 @@ class CompletionRequest(_Sampling):
     max_tokens: Annotated[int, Field(ge=0)] | None = 16             # OpenAI's default; 0: echo / score only
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False                             # the prompt before the completion (tp_jax/server/echo.py)
-    best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True                # vLLM: the tokenizer's BOS etc. around a text prompt
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} is not supported (only best_of = n); leave it out")
         if self.suffix:
             raise ValueError("suffix is not supported by this server; leave it out")
         if isinstance(self.prompt, list) and not self.prompt:
@@ -148,10 +200,37 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # None: auto with tools
     parallel_tool_calls: bool | None = None        # accepted; a model may make several calls
-    add_generation_prompt: bool = True             # vLLM's extra: end with the assistant's turn
+    reasoning_effort: Literal["low", "medium", "high"] | None = None      # accepted, as vLLM (the model decides)
+    # OpenAI's deprecated form of tools: answered in its own form (message.function_call)
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | FunctionName | None = None
+    # vLLM's extras
+    add_generation_prompt: bool = True             # end the prompt with the assistant's turn
+    continue_final_message: bool = False           # the last (assistant) message left open: the answer continues it
+    add_special_tokens: bool = False               # the tokenizer's BOS etc. on top of the template's
+    chat_template_kwargs: dict[str, Any] | None = None     # the template's variables (e.g. Qwen3's enable_thinking)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_functions(cls, data):
+        """`functions` / `function_call` as `tools` / `tool_choice` (the answer keeps the legacy form)."""
+        if not isinstance(data, dict) or data.get("functions") is None:
+            return data
+        if data.get("tools") is not None:
+            raise ValueError("send either tools or the deprecated functions, not both")
+        call = data.get("function_call")
+        choice = {"type": "function", "function": call} if isinstance(call, dict) else call
+        return {**data, "tools": [{"type": "function", "function": f} for f in data["functions"]],
+                "tool_choice": choice}
 
     @model_validator(mode="after")
     def _unsupported(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message=true continues the last message, so it cannot take "
+                             "add_generation_prompt=true (the default) too: send add_generation_prompt=false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError(f"continue_final_message=true continues the last message, which must be the "
+                             f"assistant's; it is the {self.messages[-1].role}'s")
         names = [t.function.name for t in self.tools or ()]
         if self.tool_choice not in (None, "none") and not names:
             raise ValueError(f"tool_choice={self.tool_choice_name!r} needs tools; send tools or leave tool_choice out")
@@ -201,7 +280,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         stop=r.stop, stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos,
         logprobs=requested_logprobs(r), include_stop_str_in_output=r.include_stop_str_in_output,
         prompt_logprobs=r.engine_prompt_logprobs if isinstance(r, CompletionRequest) else r.prompt_logprobs,
-        structured_outputs=structured_outputs)
+        structured_outputs=structured_outputs, min_tokens=r.min_tokens,
+        logit_bias={int(k): v for k, v in (r.logit_bias or {}).items()})
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -30,6 +30,9 @@ class Tokens:
         return s
 
 
+TOKEN_IDS = Tokens(None)               # names every token "token_id:<id>" (vLLM's return_tokens_as_token_ids)
+
+
 def _top(entries: dict[int, float], n: int) -> list[tuple[int, float]]:
     """The n most likely of a token's {id: logprob} (the engine adds the chosen token to its top-N)."""
     return sorted(entries.items(), key=lambda kv: -kv[1])[:n]

@@ -26,7 +26,8 @@ import threading
 import uvicorn
 
 from tp_jax.server.command import add_engine_args, build_llm, env_default, initialize
-from tp_jax.server.tools import PARSERS
+from tp_jax.server.reasoning import REASONING_PARSERS
+from tp_jax.server.tool_parsers import PARSERS
 
 log = logging.getLogger("tp_jax.server")
 ENV_API_KEY = "TP_JAX_API_KEY"
@@ -51,9 +52,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="seconds in-flight requests may finish after SIGINT / SIGTERM before they are aborted")
     ap.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                     help="how tool_choice \"auto\" reads the model's tool calls: hermes (Qwen2.5 / Qwen3, "
-                         "<tool_call> JSON), llama3_json (Llama 3.x JSON); without it \"auto\" is refused (400)")
+                         "<tool_call> JSON), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), qwen3_coder "
+                         "(<function=...> XML); default: chosen from the chat template (logged at start-up)")
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
-                    help="accepted for vLLM's command lines; --tool-call-parser is what enables \"auto\"")
+                    help="accepted for vLLM's command lines; tool_choice \"auto\" works without it")
+    ap.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                    help="move a thinking model's thoughts into reasoning_content: deepseek_r1 (everything before "
+                         "</think>), qwen3 (a <think>...</think> block); default: chosen from the chat template")
     ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                     help="with --enable-lora: LoRA adapters (PEFT directories) served as models of their own, "
                          "`model=NAME` selecting one (vLLM's JSON form {\"name\": ..., \"path\": ...} too)")
@@ -162,7 +167,7 @@ def serve(llm, sock: socket.socket, names: list[str], args, loras: dict | None =
     aengine = AsyncLLMEngine(llm.engine)
     app = create_app(aengine, tokenizer, model_names=names, max_model_len=llm.max_model_len, api_key=args.api_key,
                      model_root=llm.model_path, shutdown_timeout_s=ENGINE_STOP_S,
-                     tool_parser=args.tool_call_parser, lora_modules=loras,
+                     tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, lora_modules=loras,
                      runtime_lora=args.allow_runtime_lora_updating)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_access_log,
                             timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + BACKSTOP_S, lifespan="on")

@@ -1,12 +1,14 @@
 """Tool calling on the chat endpoint: what a tool_choice constrains, the model's calls parsed, streamed.
 
-* `ToolMode` — a request's tools and choice: `auto` (the model decides; its own format is parsed
-  with a `--tool-call-parser`), `required` (constrained to a JSON array of calls, vLLM's schema)
-  or a named function (constrained to that function's `parameters` schema).
-* `PARSERS` — per family: `hermes` (`<tool_call>{"name", "arguments"}</tool_call>`, Qwen2.5 / Qwen3,
-  Hermes) and `llama3_json` (`{"name", "parameters"}` objects, `;`-separated, Llama 3.x).
+* `ToolMode` — a request's tools and choice: `auto` (the model decides; its own format is read by
+  the template's parser, tp_jax/server/tool_parsers.py), `required` (constrained to a JSON array of
+  calls, vLLM's schema) or a named function (constrained to that function's `parameters` schema).
 * `ToolStream` — one streaming choice: content deltas until a call starts, then `tool_calls`
-  deltas as OpenAI streams them (named calls stream their arguments as they are sampled).
+  deltas as vLLM streams them: a call's first delta has `index`, `id`, `type` and `function.name`
+  (arguments so far), later ones `function.arguments` pieces as they are sampled; a call's pieces
+  join up to the whole answer's `arguments`.
+* `with_tools_described` — for a template that renders no tools: the tools in a system message (the
+  `<tool_call>` format, in Qwen2.5's words), earlier calls and results in the same format.
 * `for_template` — a message for the chat template (a previous call's JSON `arguments` as a dict).
 """
 
@@ -14,75 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-import uuid
-from typing import Any
 
+from tp_jax.server.tool_parsers import (PARSERS, HermesParser, JsonCallReader, Llama3JsonParser, ToolCall,
+                                        new_call_id, parse_call_array)
 
-@dataclasses.dataclass
-class ToolCall:
-    name: str
-    arguments: str                              # JSON text
-
-    def openai(self, index: int | None = None) -> dict:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
-
-
-def _call(obj: Any, args_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
-class HermesParser:
-    """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Qwen2.5, Qwen3, Hermes 2/3)."""
-    start = "<tool_call>"
-    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.start not in text:
-            return text, []
-        calls = []
-        for body in self._block.findall(text):
-            try:
-                call = _call(json.loads(body), "arguments")
-            except ValueError:
-                call = None
-            if call is None:
-                return text, []                  # not a well-formed call: the text is the answer
-            calls.append(call)
-        content = text[:text.index(self.start)].strip()
-        return content or None, calls
-
-
-class Llama3JsonParser:
-    """Llama 3.x JSON calls: `{"name": ..., "parameters": {...}}`, several joined by `;` (an optional
-    `<|python_tag|>` first)."""
-    start = "{"
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not body.startswith("{"):
-            return text, []
-        calls, dec, i = [], json.JSONDecoder(), 0
-        while i < len(body):
-            try:
-                obj, i = dec.raw_decode(body, i)
-            except ValueError:
-                return text, []
-            call = _call(obj, "parameters")
-            if call is None:
-                return text, []
-            calls.append(call)
-            while i < len(body) and body[i] in " \n\t;":
-                i += 1
-        return None, calls
-
-
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+__all__ = ["PARSERS", "HermesParser", "Llama3JsonParser", "ToolCall", "ToolMode", "ToolStream", "for_template",
+           "required_schema", "with_tools_described"]
 
 
 def required_schema(tools, parallel: bool = True) -> dict:
@@ -113,17 +52,18 @@ class ToolMode:
             return StructuredOutputsParams(json=fn.parameters or {"type": "object"})
         return None
 
+    def reader(self):
+        """A fresh parser of this mode's format (auto: the model's own)."""
+        return PARSERS[self.parser](self.tools)
+
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished answer."""
         if self.choice == "named":
             return None, [ToolCall(self.name, text)]
         if self.choice == "required":
-            try:
-                calls = [_call(c, "parameters") for c in json.loads(text)]
-            except (ValueError, TypeError):
-                calls = [None]                  # cut short (max_tokens): not a whole array
-            return (text, []) if None in calls else (None, calls)
-        return PARSERS[self.parser]().parse(text)
+            calls = parse_call_array(text)      # None: cut short (max_tokens), not a whole array
+            return (text, []) if calls is None else (None, calls)
+        return self.reader().parse(text)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(the chat message, its finish_reason: "tool_calls" when it made calls and ended by itself)."""
@@ -136,66 +76,109 @@ class ToolMode:
 
 
 class ToolStream:
-    """The unsent part of one streaming choice with tools: `delta(text, finished)` -> the chunk's delta."""
+    """The unsent part of one streaming choice with tools: `delta(text, finish_reason)` -> the chunk's delta."""
 
     def __init__(self, mode: ToolMode):
-        self.mode, self.text, self.sent, self.calls_started = mode, "", 0, False
-        self.marker = None if mode.choice != "auto" else PARSERS[mode.parser].start
+        self.mode, self.text, self.sent = mode, "", 0
+        self.start = 0 if mode.choice == "required" else None       # where the calls begin in the text
+        self.parser = mode.reader() if mode.choice == "auto" else None
+        self.array = JsonCallReader(array=True) if mode.choice == "required" else None
+        self.announced: list[int] = []          # per call started: how much of its arguments was sent
 
     def delta(self, new_text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         self.text += new_text
         done = finish_reason is not None
         if self.mode.choice == "named":
-            out = {}
-            if not self.calls_started:
-                self.calls_started = True
-                out = {"tool_calls": [{**ToolCall(self.mode.name, "").openai(0)}]}
-                out["tool_calls"][0]["function"]["arguments"] = new_text
-            elif new_text:
-                out = {"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}
-            return out, ("tool_calls" if finish_reason == "stop" else finish_reason)
-        if not done:
-            return self._content_so_far(), None
-        if self.calls_started or self.mode.choice == "required":
-            msg, reason = self.mode.message(self.text, finish_reason)
-            if "tool_calls" in msg:
-                return {"tool_calls": [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]}, reason
-            rest, self.sent = self.text[self.sent:], len(self.text)       # not calls after all: the text
-            return ({"content": rest} if rest else {}), finish_reason
-        rest, self.sent = self.text[self.sent:], len(self.text)
-        return ({"content": rest} if rest else {}), finish_reason
+            return self._named(new_text), ("tool_calls" if finish_reason == "stop" else finish_reason)
+        out, content_end = {}, None
+        if self.start is None:
+            self.start = self.parser.calls_start(self.text)
+            content_end = self.start if self.start is not None else \
+                len(self.text) - (0 if done else self.parser.holdback(self.text))
+        elif self.mode.choice == "auto":
+            content_end = self.sent
+        if content_end is not None and content_end > self.sent:
+            out["content"], self.sent = self.text[self.sent:content_end], content_end
+        if self.start is not None:
+            calls = self._call_deltas(self._progress(done))
+            if calls:
+                out["tool_calls"] = calls
+        if done:
+            return self._finish(out, finish_reason)
+        return out, None
 
-    def _content_so_far(self) -> dict:
-        """Auto: content up to a call's start (holding back what may begin one); required: nothing yet."""
-        if self.mode.choice == "required" or self.calls_started:
-            return {}
-        text = self.text
-        at = _marker_at(text, self.marker, self.mode.parser)
-        if at is not None:
-            self.calls_started = True
-            end = at
-        else:
-            end = len(text) - _partial_suffix(text, self.marker)
-        if self.mode.parser == "llama3_json" and "<|python_tag|>".startswith(text[:end].strip()):
-            end = self.sent                     # whitespace or a partial <|python_tag|>: a call may still start
-        chunk, self.sent = text[self.sent:end], max(self.sent, end)
-        return {"content": chunk} if chunk else {}
+    def _progress(self, done: bool) -> list[tuple[str | None, str]]:
+        if self.array is not None:
+            self.array.feed(self.text[len(self.array.text):])
+            return self.array.calls()
+        return self.parser.progress(self.text[self.start:], done)
+
+    def _call_deltas(self, calls: list[tuple[str | None, str]]) -> list[dict]:
+        out = []
+        for i, (name, args) in enumerate(calls):
+            if name is None:
+                break                           # calls are announced in order, each once its name is known
+            if i == len(self.announced):
+                self.announced.append(len(args))
+                out.append({"index": i, "id": new_call_id(), "type": "function",
+                            "function": {"name": name, "arguments": args}})
+            elif len(args) > self.announced[i]:
+                out.append({"index": i, "function": {"arguments": args[self.announced[i]:]}})
+                self.announced[i] = len(args)
+        return out
+
+    def _finish(self, out: dict, finish_reason: str) -> tuple[dict, str]:
+        if self.announced:
+            return out, "tool_calls" if finish_reason == "stop" else finish_reason
+        rest, self.sent = self.text[self.sent:], len(self.text)     # no call after all: the text is the answer
+        if rest:
+            out["content"] = out.get("content", "") + rest
+        return out, finish_reason
+
+    def _named(self, new_text: str) -> dict:
+        if not self.announced:
+            self.announced.append(0)
+            return {"tool_calls": [ToolCall(self.mode.name, new_text).openai(0)]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]} if new_text else {}
 
 
-def _marker_at(text: str, marker: str, parser: str) -> int | None:
-    if parser == "llama3_json":                 # a call is the whole answer: only at the start
-        stripped = text.lstrip()
-        return len(text) - len(stripped) if stripped.startswith(("{", "<|python_tag|>")) else None
-    i = text.find(marker)
-    return None if i < 0 else i
+# --- tools for a template that renders none ------------------------------------------------------------
+TOOLS_PROMPT = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+                "with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each "
+                "function call, return a json object with function name and arguments within <tool_call></tool_call> "
+                "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
+                "</tool_call>")
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
+def with_tools_described(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`messages` for a template that renders no tools: the tools described in the system message (added to
+    one the conversation has, or a new one first), earlier calls as `<tool_call>` blocks in the assistant's
+    content, tool results as `<tool_response>` blocks in a user turn (Qwen2.5's layout)."""
+    block = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{block}".lstrip()
+    else:
+        out.insert(0, {"role": "system", "content": block})
+    for m in out:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(f"<tool_call>\n{json.dumps(_name_and_arguments(c), ensure_ascii=False)}\n</tool_call>"
+                              for c in m.pop("tool_calls"))
+            m["content"] = f"{m.get('content') or ''}\n{calls}".lstrip("\n")
+        elif m.get("role") == "tool":
+            m.update(role="user", content=f"<tool_response>\n{m.get('content') or ''}\n</tool_response>")
+    return out
+
+
+def _name_and_arguments(call: dict) -> dict:
+    fn = call.get("function") or call
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return {"name": fn.get("name"), "arguments": args}
 
 
 def for_template(message: dict) -> dict:

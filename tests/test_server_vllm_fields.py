@@ -1,0 +1,86 @@
+"""vLLM's request fields on the server (the shared tiny server, tests/server_process.py), through the `openai`
+client, against the engine in this process (`ref`): min_tokens, logit_bias, continue_final_message,
+add_generation_prompt, return_tokens_as_token_ids, the deprecated functions / function_call, echo with logprobs'
+prompt_logprobs, stream_options.continuous_usage_stats, system_fingerprint, and fields accepted and not used.
+Refusals (limits, fields not implemented here): tests/test_server_errors.py."""
+
+import httpx
+
+from tp_jax.serving.sampling import SamplingParams
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def test_min_tokens_and_logit_bias_answer_as_the_engine(client, ref):
+    plain = ref.generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0]
+    stop = plain.token_ids[1]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop], min_tokens=4, logit_bias={42: 2.5})
+    exp = ref.generate(["Hello there"], sp)[0].outputs[0]
+    got = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0, logit_bias={
+        "42": 2.5}, extra_body={"stop_token_ids": [stop], "min_tokens": 4}).choices[0]
+    assert got.text == exp.text and len(exp.token_ids) >= 4
+
+
+def test_continue_final_message_continues_the_assistants_text(client, ref):
+    tok = ref.get_tokenizer()
+    conv = [*CHAT, {"role": "assistant", "content": "The answer is"}]
+    text = tok.apply_chat_template(conv, tokenize=False, continue_final_message=True)
+    assert text.rstrip().endswith("The answer is")
+    exp = ref.generate([tok.encode(text, add_special_tokens=False)], SamplingParams(max_tokens=5, temperature=0.0))
+    got = client.chat.completions.create(model="tiny", messages=conv, max_tokens=5, temperature=0, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False})
+    assert got.choices[0].message.content == exp[0].outputs[0].text
+    assert got.usage.prompt_tokens == len(exp[0].prompt_token_ids)
+
+
+def test_return_tokens_as_token_ids_names_tokens_by_id(client):
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(c.token.startswith("token_id:") for c in content)
+    assert all(t.token.startswith("token_id:") for c in content for t in c.top_logprobs)
+    comp = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=1,
+                                     extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.startswith("token_id:") for t in comp.choices[0].logprobs.tokens)
+
+
+def test_deprecated_functions_are_answered_with_function_call(client):
+    fn = {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}},
+                                           "required": ["q"]}}
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0, functions=[fn],
+                                       function_call={"name": "lookup"})
+    msg = r.choices[0].message
+    assert msg.tool_calls is None and msg.function_call.name == "lookup"
+    assert r.choices[0].finish_reason in ("function_call", "length")
+
+
+def test_echo_with_logprobs_reports_prompt_logprobs_as_vllm(tiny_server):
+    r = httpx.post(f"{tiny_server.base}/completions", json={"model": "tiny", "prompt": "Hello there friend",
+                                                           "max_tokens": 2, "echo": True, "logprobs": 1}, timeout=60)
+    choice = r.json()["choices"][0]
+    prompt_lp, lp = choice["prompt_logprobs"], choice["logprobs"]
+    assert prompt_lp[0] is None and lp["token_logprobs"][0] is None
+    n = len(prompt_lp)
+    for entry, own in zip(prompt_lp[1:], lp["token_logprobs"][1:n]):     # the echoed part's logprobs, both layouts
+        assert any(abs(v["logprob"] - own) < 1e-6 for v in entry.values())
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0,
+                                                 stream=True, stream_options=options))
+    assert all(c.usage is not None for c in chunks)
+    done = [c.usage.completion_tokens for c in chunks]
+    assert done == sorted(done) and done[-1] == 4 and chunks[-1].choices == []
+
+
+def test_fields_vllm_ignores_are_accepted_and_said_once(tiny_server, client):
+    extra = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "frobnicate": 1}
+    for _ in range(2):
+        r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, temperature=0,
+                                           reasoning_effort="low", extra_body=extra)
+        assert r.choices[0].message.content is not None
+    assert r.system_fingerprint is None and "system_fingerprint" in r.model_dump()
+    log = tiny_server.log()
+    lines = [line for line in log.splitlines() if "accepted and not used" in line and "frobnicate" in line]
+    assert len(lines) == 1 and "store" in log

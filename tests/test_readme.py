@@ -1,5 +1,5 @@
 """Every ```python block of README.md runs as written, in a fresh process on 8 simulated CPU devices (the
-`openai` client sample needs a server: tests/test_server_smollm2.py runs it against one)."""
+`openai`, Responses and LangChain samples need a server: tests/test_server_smollm2.py runs them against one)."""
 
 import os
 import re
@@ -22,8 +22,8 @@ def run(code: str) -> subprocess.CompletedProcess:
 FRONT_DOOR, OWN_MODEL = (next(b for b in BLOCKS if key in b) for key in ("LLM(None", "shard_module"))
 
 
-def test_readme_has_the_three_samples():
-    assert len(BLOCKS) == 3 and sum("from openai import OpenAI" in b for b in BLOCKS) == 1
+def test_readme_has_the_five_samples():
+    assert len(BLOCKS) == 5 and sum("from openai import OpenAI" in b for b in BLOCKS) == 2
 
 
 def test_own_model_sample():

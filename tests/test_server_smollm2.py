@@ -33,10 +33,19 @@ def ref(smollm2_path):
     return LLM(None, tensor_parallel_size=2, max_model_len=512, max_num_seqs=8, progress=False)
 
 
-def readme_example() -> str:
+def readme_example(index: int = 0) -> str:
+    """The serve section's python blocks: the chat client, the Responses call, the LangChain agent loop."""
     text = open(os.path.join(ROOT, "README.md")).read()
-    section = text.split("## Serve it (OpenAI-compatible)", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    section = text.split("## Serve it (OpenAI-compatible)", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[index]
+
+
+def run_against(server, code: str) -> str:
+    assert 'base_url="http://127.0.0.1:8000/v1"' in code
+    r = subprocess.run([sys.executable, "-c", code.replace("http://127.0.0.1:8000/v1", server.base)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
 
 
 def test_chat_and_completions_equal_the_engine(server, ref):
@@ -56,9 +65,21 @@ def test_chat_and_completions_equal_the_engine(server, ref):
 def test_readme_client_example_runs_as_written(server, ref):
     code = readme_example()
     assert len(code.strip().splitlines()) == 5, "the README promises a five-line example"
-    assert 'base_url="http://127.0.0.1:8000/v1"' in code
-    code = code.replace("http://127.0.0.1:8000/v1", server.base)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
     exp = ref.chat(QUESTION, SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0].text
-    assert r.stdout == exp + "\n"
+    assert run_against(server, code) == exp + "\n"
+
+
+def test_readme_responses_example_is_the_chat_of_its_instructions_and_input(server, ref):
+    conv = [{"role": "system", "content": "Answer in a few words."}, *QUESTION]
+    exp = ref.chat(conv, SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0].text
+    assert run_against(server, readme_example(1)) == exp + "\n"
+
+
+def test_readme_langchain_agent_loop_calls_the_tool_and_answers(server):
+    """SmolLM2 (135M) makes the forced call with the right arguments; what it answers after the tool's result
+    is its own (it repeats the result): the loop must end with text."""
+    code = readme_example(2).replace("print(reply.content)", "print(messages[1].tool_calls)\nprint(reply.content)")
+    out = run_against(server, code)
+    first, answer = out.split("\n", 1)
+    assert "'name': 'add', 'args': {'a': 2, 'b': 3}" in first
+    assert answer.strip()

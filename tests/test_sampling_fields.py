@@ -89,3 +89,14 @@ def test_max_tokens_inside_a_multibyte_character_ends_without_a_replacement_char
     events, out = streamed(ref, sp, events=True)
     assert whole.token_ids == out.outputs[0].token_ids == [lead, lead]
     assert whole.text == out.outputs[0].text == "".join(e.text for e in events) == ""
+
+
+def test_prompt_logprobs_carry_the_prompt_tokens_rank_as_transformers_counts_it(ref, hf):
+    import torch
+    out = ref.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))[0]
+    with torch.no_grad():
+        lp = log_softmax(hf(torch.tensor([PROMPT])).logits[0].numpy())          # [T, V]
+    for i, entry in enumerate(out.prompt_logprobs[1:]):                          # token i + 1, scored at position i
+        own = lp[i, PROMPT[i + 1]]
+        lo, hi = (int((lp[i] > own + d).sum()) + 1 for d in (2e-4, -2e-4))      # within roundoff of the reference
+        assert lo <= entry.rank <= hi, (i, entry.rank, lo, hi)

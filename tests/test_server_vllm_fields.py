@@ -63,6 +63,8 @@ def test_echo_with_logprobs_reports_prompt_logprobs_as_vllm(tiny_server):
     n = len(prompt_lp)
     for entry, own in zip(prompt_lp[1:], lp["token_logprobs"][1:n]):     # the echoed part's logprobs, both layouts
         assert any(abs(v["logprob"] - own) < 1e-6 for v in entry.values())
+        best = max(entry.values(), key=lambda v: v["logprob"])              # vLLM's rank: 1 is the most likely
+        assert best["rank"] == 1 and all(v["rank"] >= 1 for v in entry.values())
 
 
 def test_continuous_usage_stats_put_usage_in_every_chunk(client):

@@ -5,8 +5,9 @@
   first: nothing predicts the first token), `top_logprobs` (null first), `text_offset`.
   lm-evaluation-harness scores a continuation from exactly this (`echo: true, logprobs: 1`).
 * `join` — a choice's text and logprobs behind that prefix (offsets moved past the prompt).
-* `prompt_logprobs_field` — vLLM's layout: `[null, {"<token id>": {"logprob", "decoded_token"}}, ...]`,
-  each entry the prompt token's own logprob plus the N most likely.
+* `prompt_logprobs_field` — vLLM's layout: `[null, {"<token id>": {"logprob", "rank", "decoded_token"}}, ...]`,
+  each entry the prompt token's own logprob plus the N most likely; `rank` 1 is the most likely (the prompt
+  token's own rank as the engine counted it; the top N's by their order).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def join(prefix: tuple[str, dict | None] | None, shift: int, text: str, logprobs
 
 
 def prompt_logprobs_field(prompt_ids: list[int], prompt_lps: list | None, n: int, tokens: Tokens) -> list | None:
-    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {id: {logprob, decoded_token}}."""
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}."""
     if prompt_lps is None:
         return None
     out = []
@@ -55,6 +56,10 @@ def prompt_logprobs_field(prompt_ids: list[int], prompt_lps: list | None, n: int
         if entries is None:
             out.append(None)
             continue
-        keep = {t: entries[t], **dict(_top(entries, n))}      # its own + the N most likely (the engine may hold more)
-        out.append({str(j): {"logprob": _finite(lp), "decoded_token": tokens.text(j)} for j, lp in keep.items()})
+        top = _top(entries, n)                                 # the N most likely (the engine may hold more)
+        ranks = {j: r for r, (j, _) in enumerate(top, 1)}
+        ranks[t] = getattr(entries, "rank", ranks.get(t))     # its own, counted on the device
+        keep = {t: entries[t], **dict(top)}
+        out.append({str(j): {"logprob": _finite(lp), "rank": ranks[j], "decoded_token": tokens.text(j)}
+                    for j, lp in keep.items()})
     return out

@@ -4,7 +4,7 @@ Prompt token i (i >= 1) is scored by the logits at position i - 1, which exist o
 that position is computed in a prefill chunk. So a step whose rows include such positions
 gathers their hidden states, [G, Q, D] (Q bucketed), and the forward returns, per position,
 the log-softmax of its logits at the prompt's next token and the top k: one
-i32[G, Q, 1 + 2k] (floats bit-cast). Only those Q positions get [Q, V] logits; a step
+i32[G, Q, 2 + 2k] (floats bit-cast, the rank an int). Only those Q positions get [Q, V] logits; a step
 with no such row runs the very program it ran before (no extra input, output or work).
 
 * `plan(batch, vocab_size)` — the positions to score this step (`PromptPlan`), or None.
@@ -12,7 +12,7 @@ with no such row runs the very program it ran before (no extra input, output or 
 * `collect(prompt_plan, result)` — the step's results appended to each request's list.
 
 Results follow vLLM's layout: `[None, {token_1: lp, top...}, ..., {token_{T-1}: lp, ...}]`,
-each dict the prompt token's own logprob plus the top k (raw logprobs: before penalties
+each dict (a `Scored`, which also holds the prompt token's `rank`) the prompt token's own logprob plus the top k (raw logprobs: before penalties
 and temperature, like the sampled tokens'). A request keeps the entries it has: after a
 preemption its recomputed positions are not scored again. Cached prefix blocks have no
 logits, so a request still collecting prompt logprobs does not reuse the prefix cache
@@ -87,26 +87,38 @@ def plan(batch: StepBatch, vocab_size: int) -> PromptPlan | None:
 
 
 def compute(model, h: jax.Array, packed: jax.Array, k: int) -> jax.Array:
-    """h[G, N, D], packed i32[G, 2Q] (index, target) -> i32[G, Q, 1 + 2k]: the target's logprob,
-    the top-k ids and their logprobs (floats bit-cast)."""
+    """h[G, N, D], packed i32[G, 2Q] (index, target) -> i32[G, Q, 2 + 2k]: the target's logprob, its rank (1 + the
+    tokens more likely), the top-k ids and their logprobs (floats bit-cast)."""
     q = packed.shape[1] // 2
     index, target = packed[:, :q], packed[:, q:]
     hq = jnp.take_along_axis(h, index[..., None], axis=1)                       # [G, Q, D]
     lp = row_log_softmax(mask_padding(model.logits(hq)))                        # [G, Q, V] f32
     chosen = jnp.take_along_axis(lp, target[..., None], axis=-1)                # [G, Q, 1]
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
-    parts = [bits(chosen)]
+    rank = jnp.sum(lp > chosen, axis=-1, keepdims=True, dtype=jnp.int32) + 1       # [G, Q, 1]
+    parts = [bits(chosen), rank]
     if k:
         top_lp, top_ids = jax.lax.top_k(lp, k)
         parts += [top_ids.astype(jnp.int32), bits(top_lp)]
     return jnp.concatenate(parts, axis=-1)
 
 
+class Scored(dict):
+    """A scored prompt position: {token id: logprob} (the prompt token's own, then the top k), and `rank`, the
+    prompt token's rank in the distribution (1: the most likely; vLLM's `Logprob.rank`)."""
+    __slots__ = ("rank",)
+
+    def __init__(self, entries, rank: int):
+        super().__init__(entries)
+        self.rank = rank
+
+
 def collect(p: PromptPlan, result: np.ndarray) -> None:
-    """Append a step's scored positions (result i32[G, Q, 1 + 2k] from `compute`) to their requests."""
+    """Append a step's scored positions (result i32[G, Q, 2 + 2k] from `compute`) to their requests."""
     floats = lambda x: np.ascontiguousarray(x).view(np.float32)
     k = p.k
-    chosen, top_ids, top_lp = floats(result[..., 0]), result[..., 1:1 + k], floats(result[..., 1 + k:])
+    chosen, ranks = floats(result[..., 0]), result[..., 1]
+    top_ids, top_lp = result[..., 2:2 + k], floats(result[..., 2 + k:])
     for g, owners in enumerate(p.owners):
         j = 0
         for req, count in owners:
@@ -114,5 +126,5 @@ def collect(p: PromptPlan, result: np.ndarray) -> None:
             for q in range(j, j + count):
                 target = int(p.target[g, q])
                 top = {int(t): float(x) for t, x in zip(top_ids[g, q, :n], top_lp[g, q, :n])}
-                req.prompt_logprobs.append({target: float(chosen[g, q]), **top})
+                req.prompt_logprobs.append(Scored({target: float(chosen[g, q]), **top}, int(ranks[g, q])))
             j += count

@@ -98,7 +98,7 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan, late_bitmask=None):
         """Forward and sample one step; (tokens[G, R], logprob[G, R], top_ids[G, R, N], top_lp[G, R, N], prompt)
-        as numpy, `prompt` the scored prompt positions (i32[G, Q, 1 + 2k]) or None.
+        as numpy, `prompt` the scored prompt positions (i32[G, Q, 2 + 2k]) or None.
 
         Structured outputs: `plan.bitmask`, or else `late_bitmask()` (called after the forward is
         dispatched, so the host fills it while the device computes), masks the logits before sampling."""

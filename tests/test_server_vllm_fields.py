@@ -82,7 +82,15 @@ def test_fields_vllm_ignores_are_accepted_and_said_once(tiny_server, client):
         r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, temperature=0,
                                            reasoning_effort="low", extra_body=extra)
         assert r.choices[0].message.content is not None
-    assert r.system_fingerprint is None and "system_fingerprint" in r.model_dump()
+    assert r.system_fingerprint.startswith("tp_jax-")
     log = tiny_server.log()
     lines = [line for line in log.splitlines() if "accepted and not used" in line and "frobnicate" in line]
     assert len(lines) == 1 and "store" in log
+
+
+def test_best_of_answers_the_most_likely_of_its_samples(client, ref):
+    samples = ref.generate(["Once"], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5))[0].outputs
+    best = max(samples, key=lambda c: c.cumulative_logprob)
+    r = client.completions.create(model="tiny", prompt="Once", max_tokens=6, temperature=1.0, seed=5, best_of=3, n=1)
+    assert [c.text for c in r.choices] == [best.text] and len({c.text for c in samples}) > 1
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in samples)     # OpenAI counts every sample

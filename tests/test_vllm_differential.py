@@ -31,8 +31,6 @@ EVERYWHERE: dict[str, list[str]] = {
         "-error.code: number", "~error.code: vllm number, ours str", "error.code: vllm 400, ours None",
         "error.code: vllm 404, ours *", "error.type: vllm BadRequestError, ours invalid_request_error",
         "error.type: vllm Bad Request, ours invalid_request_error", "error.type: vllm NotFoundError, ours *"],
-    "TO COME (the lead's vLLM fields): system_fingerprint, vLLM's is 'vllm-0.32.0-<hash>'": [
-        "-system_fingerprint: str", "-data.system_fingerprint: str"],
     "Responses API: ours fills OpenAI's Response fields metadata ({}), reasoning ({effort, summary}), store, "
     "text.format and an output_text part's logprobs ([]), where vLLM sends null": [
         "+*metadata: object", "+*reasoning: object", "+*store: bool", "+*text: object", "+*text.format: object",
@@ -50,19 +48,12 @@ KNOWN: dict[str, tuple[str, list[str]]] = {
     "chat.guided_json": ("vLLM 0.32 dropped guided_json and ignores it (its answer is not JSON); ours refuses it "
                          "with 400 pointing to structured_outputs rather than silently ignore a constraint",
                          ["status: vllm 200, ours 400"]),
-    "completions.best_of": ("TO COME (the lead's vLLM fields): best_of > n; vLLM 0.32 accepts and ignores it",
-                            ["status: vllm 200, ours 400"]),
     "chat.n2_greedy": ("vLLM refuses n > 1 at temperature 0 ('n must be 1 when using greedy sampling'); ours answers "
                        "n choices (the same), as OpenAI does", ["status: vllm 400, ours 200"]),
     "chat.error_empty_messages": ("ours names the param (messages); vLLM's is null", ["+error.param: str"]),
     "chat.error_n_0": ("ours names the param (n); vLLM's is null", ["+error.param: str"]),
-    "chat.error_bad_json": ("BUG (minor): vLLM names the param ('body.14', where the JSON breaks); ours null",
-                            ["-error.param: str"]),
-    "chat.error_five_stop_strings": ("BUG: our refusal names no param; vLLM's is 'body.stop'", ["-error.param: str"]),
-    "chat.error_named_tool_not_in_tools": ("BUG: our refusal names no param; vLLM's is 'tool_choice'",
-                                           ["-error.param: str"]),
-    "chat.error_tool_choice_without_tools": ("BUG: our refusal names no param; vLLM's is 'tool_choice'",
-                                             ["-error.param: str"]),
+    "chat.error_bad_json": ("malformed JSON: vLLM's param is where the JSON breaks ('body.14'); ours is null (no field "
+                            "is at fault) and the message gives the position", ["-error.param: str"]),
     "chat.tools_required": (
         "vLLM 0.32's CPU build (xgrammar) lets the model write free text into the call's arguments until "
         "max_tokens, then answers the unparsed text as content; ours answers a valid tool call",
@@ -70,9 +61,9 @@ KNOWN: dict[str, tuple[str, list[str]]] = {
     "chat.tools_named": ("as chat.tools_required: vLLM's answer is unparsed text, ours a valid tool call",
                          ["+choices[].message.tool_calls*", "-choices[].message.content: str"]),
     "chat.stream_tools_required": (
-        "ours sends empty deltas ({}) while the model writes the call's JSON prefix, and the call's first chunk "
-        "carries arguments '' (as OpenAI's); vLLM sends the name chunk without arguments, then argument deltas",
-        ["steps: vllm 4, ours *"]),
+        "the call's first chunk carries arguments '' (as OpenAI's); vLLM sends the name chunk without arguments, "
+        "then argument deltas", ["steps: vllm 4, ours 4; step 1: +choices[].delta.tool_calls[].function.arguments: "
+                                 "str"]),
     "chat.stream_tools_named": ("the call's first chunk carries arguments '' (as OpenAI's); vLLM's has none",
                                 ["steps: vllm 4, ours 4; step 1: +choices[].delta.tool_calls[].function.arguments: "
                                  "str"]),
@@ -80,10 +71,9 @@ KNOWN: dict[str, tuple[str, list[str]]] = {
         "a stream that ends at the end of its grammar: ours puts finish_reason on the last text chunk; vLLM samples "
         "the end-of-text token and sends it as a last chunk with an empty delta",
         ["steps: vllm 3, ours 3; step 2: +choices[].delta.content: str"]),
-    "chat.stream_n2": ("BUG: with n > 1 ours sends all choices in one chunk; OpenAI and vLLM send one choice per "
-                       "chunk (clients that read choices[0] lose the others)",
-                       ["+data.choices#: several", "steps: *"]),
-    "completions.stream_n2": ("BUG: as chat.stream_n2", ["+data.choices#: several", "steps: *"]),
+    "chat.stream_n2": ("the same chunks (one choice each) in another order: in vLLM's recording its two choices ended "
+                       "a step apart, ours end in the same step (timing, not protocol)", ["steps: *"]),
+    "completions.stream_n2": ("as chat.stream_n2", ["steps: *"]),
     "completions.stream_echo": ("vLLM's extension: the echoed stream's first chunk carries prompt_token_ids",
                                 ["-data.choices[].prompt_token_ids*"]),
     "error_unknown_route": ("ours answers OpenAI's error body; vLLM FastAPI's {'detail': 'Not Found'}",
@@ -91,9 +81,9 @@ KNOWN: dict[str, tuple[str, list[str]]] = {
     "health": ("ours answers {'status': 'ok'}; vLLM an empty body (both 200)", ["body: vllm empty, ours json"]),
     "responses.stream": (
         "ours ends a stream cut by max_output_tokens with OpenAI's response.incomplete (vLLM: response.completed "
-        "holding status incomplete); BUG: our output_item.added carries the output_text part already, OpenAI's "
-        "and vLLM's have content [] until content_part.added",
-        ["events: *response.completed; ours *response.incomplete", "steps: vllm 9, ours 9; step 2: *"]),
+        "holding status incomplete); its content_part.done's part has OpenAI's logprobs ([]), as the whole "
+        "answer's", ["events: *response.completed; ours *response.incomplete",
+                     "steps: vllm 9, ours 9; step 6: +part.logprobs: list"]),
     "responses.tool_required": (
         "as chat.tools_required: vLLM's answer is an unparsed message cut at max_output_tokens; ours function_call "
         "items", ["+output[].arguments: str", "+output[].call_id: str", "+output[].name: str",

@@ -211,8 +211,9 @@ def describe_validation(errors) -> tuple[str, str | None]:
                 f"fields top_k, min_p, repetition_penalty, ignore_eos are accepted)"), param
     if kind == "missing":
         return f"{field} is required", param
-    if kind == "value_error" and not loc:
-        return str(e.get("msg", "")).removeprefix("Value error, "), None
+    if kind == "value_error" and not loc:                   # a model's own check: protocol.FieldError names the field
+        message = str(e.get("msg", "")).removeprefix("Value error, ")
+        return message, getattr(e.get("ctx", {}).get("error"), "param", None)
     union = next((f for f in loc if f in _EXPECTED), None)
     if union is not None:
         path = ".".join(loc[:loc.index(union) + 1])

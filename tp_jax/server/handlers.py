@@ -30,7 +30,8 @@ from tp_jax.server.chat_format import ChatFormat, choose as choose_chat_format
 from tp_jax.server.chat_output import ChoiceStream, message as chat_message
 from tp_jax.server.reasoning import wanted as reasoning_wanted
 from tp_jax.server.tools import ToolMode, for_template, with_tools_described
-from tp_jax.server.responses import TOKEN_IDS, ChoiceDelta, Delta, Tokens, chat_logprobs, completion_logprobs, usage
+from tp_jax.server.responses import (FINGERPRINT, TOKEN_IDS, ChoiceDelta, Delta, Tokens, chat_logprobs,
+                                     completion_logprobs, usage)
 from tp_jax.serving.llm_engine import PreparedRequest
 from tp_jax.serving.outputs import CompletionOutput, RequestOutput
 from tp_jax.serving.sampling import SamplingParams
@@ -243,10 +244,12 @@ class Handler:
         final: dict[int, RequestOutput] = {}
         async for i, out in self._run(job, stream=False):
             final[i] = out
-        n = job.params.n
-        choices = [self._choice(job, i * n + c.index, c, final[i]) for i in sorted(final) for c in final[i].outputs]
+        n = job.request.n                              # of the job's params.n = best_of samples: the n most likely
+        best = lambda outs: sorted(outs, key=lambda c: -c.cumulative_logprob)[:n] if len(outs) > n else outs
+        choices = [self._choice(job, i * n + k, c, final[i]) for i in sorted(final)
+                   for k, c in enumerate(best(final[i].outputs))]
         body = {"id": job.id, "object": job.object, "created": job.created, "model": job.model, "choices": choices,
-                "usage": self._usage(job, final.values()), "system_fingerprint": None}
+                "usage": self._usage(job, final.values()), "system_fingerprint": FINGERPRINT}
         if job.chat and job.request.prompt_logprobs is not None:          # vLLM: chat's is top-level
             body["prompt_logprobs"] = prompt_logprobs_field(final[0].prompt_token_ids, final[0].prompt_logprobs,
                                                             job.request.prompt_logprobs, self.tokens)
@@ -313,30 +316,34 @@ class Handler:
         continuous = include_usage and job.request.continuous_usage           # vLLM: usage so far in every chunk
         last: dict[int, RequestOutput] = {}
 
-        def chunk(choices):
+        def chunk(choice):                             # one choice per chunk, as OpenAI and vLLM stream n > 1
             extra = {"usage": self._usage(job, last.values()) if continuous else None} if include_usage else {}
+            if choice["finish_reason"] is not None and not include_usage:     # vLLM: the last chunk of a choice
+                extra["system_fingerprint"] = FINGERPRINT                       # (or the usage chunk) says it
             return {"id": job.id, "object": f"{job.object}.chunk" if job.chat else job.object, "created": job.created,
-                    "model": job.model, "choices": choices, **extra}
+                    "model": job.model, "choices": [choice], **extra}
         if job.chat:
-            yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for k in range(len(deltas))])
+            for k in range(len(deltas)):
+                yield chunk({"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
         try:
             async for i, out in self._run(job, stream=True):
                 last[i] = out
-                choices = []
                 for c in out.outputs:
                     d = deltas[i * n + c.index].update(c)
-                    if d is not None:
-                        k = i * n + c.index
-                        choices.append(self._chunk_choice(job, k, d, out, tool_streams and tool_streams[k]))
-                if choices:
-                    yield chunk(choices)
+                    if d is None:
+                        continue
+                    k = i * n + c.index
+                    choice = self._chunk_choice(job, k, d, out, tool_streams and tool_streams[k])
+                    if choice.get("delta", True) or choice["finish_reason"] is not None or choice["logprobs"]:
+                        yield chunk(choice)                # (a tool call's opening, not yet a name: nothing to send)
         except Exception as e:                         # the engine failed mid-stream: say so, then end it
             log.exception("request %s failed", job.id)
             yield APIError(500, f"the request failed: {e}", type="internal_server_error").body()
         if include_usage:
             yield {"id": job.id, "object": f"{job.object}.chunk" if job.chat else job.object,
-                   "created": job.created, "model": job.model, "choices": [], "usage": self._usage(job, last.values())}
+                   "created": job.created, "model": job.model, "choices": [], "system_fingerprint": FINGERPRINT,
+                   "usage": self._usage(job, last.values())}
 
     def _chunk_choice(self, job: Job, index: int, d: Delta, out: RequestOutput,
                       tools: ChoiceStream | None = None) -> dict:

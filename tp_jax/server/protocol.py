@@ -33,6 +33,14 @@ log = logging.getLogger("tp_jax.server")
 MAX_LOGPROBS = 20           # the engine's max_logprobs (EngineConfig)
 MAX_STOP = 4                # stop strings per request (OpenAI's limit)
 
+class FieldError(ValueError):
+    """A request refused for one field: `param` names it in the error body (app.describe_validation)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 _Prob = Annotated[float, Field(gt=0.0, le=1.0)]
 _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
@@ -76,7 +84,7 @@ class _Request(BaseModel):
         extra = dict(self.model_extra or {})
         for name, neutral in _NEUTRAL.items():
             if name in extra and extra[name] not in (neutral, None) and extra[name] != []:
-                raise ValueError(f"{name}={extra.pop(name)!r} is not supported by this server; leave it out "
+                raise FieldError(name, f"{name}={extra.pop(name)!r} is not supported by this server; leave it out "
                                  f"(or send {neutral!r})")
         log_ignored_once(extra)
         return self
@@ -97,7 +105,7 @@ class _Sampling(_Request):
     presence_penalty: _Penalty = 0.0
     frequency_penalty: _Penalty = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None   # token id -> bias
-    best_of: int | None = None                     # only best_of = n (vLLM's V1 engine has no best_of either)
+    best_of: Annotated[int, Field(ge=1, le=128)] | None = None     # sample best_of, answer the n most likely
     # vLLM's extra sampling fields
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -115,14 +123,19 @@ class _Sampling(_Request):
     @model_validator(mode="after")
     def _limits(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise FieldError("stream_options", "stream_options is only allowed with stream=true")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
-            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP} are allowed (OpenAI's limit)")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} is not supported (only best_of = n); leave it out")
+            raise FieldError("stop", f"stop has {len(self.stop)} strings; at most {MAX_STOP} are allowed "
+                                     f"(OpenAI's limit)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise FieldError("best_of", f"best_of={self.best_of} is less than n={self.n}: it must be at least n")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise FieldError("best_of", f"best_of={self.best_of} > n={self.n} cannot stream (the best are known only "
+                                        f"at the end); leave out stream or best_of")
         bad = [k for k in self.logit_bias or () if not k.isdigit()]
         if bad:
-            raise ValueError(f"logit_bias keys must be token ids (strings of digits, e.g. \"50256\"); got {bad[0]!r}")
+            raise FieldError("logit_bias", f"logit_bias keys must be token ids (strings of digits, e.g. "
+                                           f"\"50256\"); got {bad[0]!r}")
         return self
 
     @property
@@ -147,9 +160,9 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _unsupported(self):
         if self.suffix:
-            raise ValueError("suffix is not supported by this server; leave it out")
+            raise FieldError("suffix", "suffix is not supported by this server; leave it out")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt is an empty list; give a string, token ids, or a list of them")
+            raise FieldError("prompt", "prompt is an empty list; give a string, token ids, or a list of them")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -226,23 +239,26 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _unsupported(self):
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message=true continues the last message, so it cannot take "
-                             "add_generation_prompt=true (the default) too: send add_generation_prompt=false")
+            raise FieldError("continue_final_message", "continue_final_message=true continues the last message, so "
+                             "it cannot take add_generation_prompt=true (the default) too: send "
+                             "add_generation_prompt=false")
         if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError(f"continue_final_message=true continues the last message, which must be the "
-                             f"assistant's; it is the {self.messages[-1].role}'s")
+            raise FieldError("continue_final_message", f"continue_final_message=true continues the last message, "
+                             f"which must be the assistant's; it is the {self.messages[-1].role}'s")
         names = [t.function.name for t in self.tools or ()]
         if self.tool_choice not in (None, "none") and not names:
-            raise ValueError(f"tool_choice={self.tool_choice_name!r} needs tools; send tools or leave tool_choice out")
+            raise FieldError("tool_choice", f"tool_choice={self.tool_choice_name!r} needs tools; send tools or leave "
+                                            f"tool_choice out")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
-                             f"among the tools ({', '.join(map(repr, names))})")
+            raise FieldError("tool_choice", f"tool_choice names the function {self.tool_choice.function.name!r}, "
+                                            f"which is not among the tools ({', '.join(map(repr, names))})")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
-            raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens} "
-                             f"disagree; send only max_completion_tokens")
+            raise FieldError("max_completion_tokens", f"max_tokens={self.max_tokens} and max_completion_tokens="
+                                                      f"{self.max_completion_tokens} disagree; send only "
+                                                      f"max_completion_tokens")
         return self
 
     @property
@@ -273,7 +289,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
     `structured_outputs`: the answer's constraint (constraints.request_constraint)."""
     r = request
     return SamplingParams(
-        n=r.n, max_tokens=max_tokens, temperature=1.0 if r.temperature is None else r.temperature,
+        n=max(r.n, r.best_of or 0), max_tokens=max_tokens, temperature=1.0 if r.temperature is None else r.temperature,
         top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0, min_p=r.min_p or 0.0,
         repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
         presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, seed=r.seed,

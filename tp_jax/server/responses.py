@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+from importlib.metadata import PackageNotFoundError, version
 
 from tp_jax.serving.outputs import CompletionOutput
 
@@ -30,6 +31,15 @@ class Tokens:
         return s
 
 
+def tp_jax_version() -> str:
+    """The installed package's version (`/version`, the answers' system_fingerprint)."""
+    try:
+        return version("tp-jax")
+    except PackageNotFoundError:                   # a source tree that was never installed
+        return "unknown"
+
+
+FINGERPRINT = f"tp_jax-{tp_jax_version()}"          # every answer's system_fingerprint (vLLM's: "vllm-<version>-...")
 TOKEN_IDS = Tokens(None)               # names every token "token_id:<id>" (vLLM's return_tokens_as_token_ids)
 
 

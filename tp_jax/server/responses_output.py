@@ -152,7 +152,8 @@ class Events:
     def _add(self, item: dict) -> list[str]:
         self.output.append(item)
         self.open = item
-        return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=item)]
+        added = {**item, "content": []} if "content" in item else item      # its parts come with their own events
+        return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=added)]
 
     def _part_added(self) -> list[str]:
         return [self.event("response.content_part.added", **self._where(True), part=self.open["content"][0])]

@@ -16,7 +16,6 @@ API key does not guard them. An unknown `model` is 404 `model_not_found`, as on 
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
 from fastapi import FastAPI
@@ -26,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tp_jax.server.constraints import Tool
 from tp_jax.server.handlers import APIError, Handler
 from tp_jax.server.protocol import ChatMessage
+from tp_jax.server.responses import tp_jax_version
 
 _CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
 
@@ -107,13 +107,6 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
-
-
-def tp_jax_version() -> str:
-    try:
-        return version("tp-jax")
-    except PackageNotFoundError:                   # a source tree that was never installed
-        return "unknown"
 
 
 def tokenize(handler: Handler, req: TokenizeRequest) -> TokenizeResponse:

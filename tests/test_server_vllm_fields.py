@@ -94,3 +94,29 @@ def test_best_of_answers_the_most_likely_of_its_samples(client, ref):
     r = client.completions.create(model="tiny", prompt="Once", max_tokens=6, temperature=1.0, seed=5, best_of=3, n=1)
     assert [c.text for c in r.choices] == [best.text] and len({c.text for c in samples}) > 1
     assert r.usage.completion_tokens == sum(len(c.token_ids) for c in samples)     # OpenAI counts every sample
+
+
+def test_every_request_field_of_vllm_is_implemented_refused_unless_neutral_or_ignored():
+    """vLLM 0.32.0's own field lists (ChatCompletionRequest / CompletionRequest.model_fields, kept as test data):
+    each is ours, one that would change the answer and is refused unless neutral (NEUTRAL), or one that cannot
+    change it and is accepted unused (IGNORED). A new vLLM field shows up here."""
+    import json
+    import os
+
+    from tp_jax.server.protocol import IGNORED, NEUTRAL, ChatCompletionRequest, CompletionRequest
+    path = os.path.join(os.path.dirname(__file__), "data", "vllm_server", "request_fields_0.32.0.json")
+    fields = json.load(open(path))
+    for route, ours in (("chat/completions", ChatCompletionRequest), ("completions", CompletionRequest)):
+        unplaced = [f for f in fields[route] if f not in ours.model_fields and f not in NEUTRAL and f not in IGNORED]
+        assert not unplaced, f"{route}: vLLM {fields['vllm']} fields this server does not place: {unplaced}"
+        for name, neutral in NEUTRAL.items():                    # refused at another value, accepted at neutral
+            if name in fields[route] and name not in ours.model_fields:
+                body = {"messages": CHAT} if route.startswith("chat") else {"prompt": "Hi"}
+                ours.model_validate({**body, name: neutral})
+                other = False if neutral is True else "x"
+                try:
+                    ours.model_validate({**body, name: other})
+                except ValueError as e:
+                    assert f"{name}=" in str(e) and "not supported" in str(e)
+                else:
+                    raise AssertionError(f"{route}: {name}={other!r} was accepted")

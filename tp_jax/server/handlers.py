@@ -119,7 +119,7 @@ class Handler:
     def chat_prompt(self, req) -> list[int]:
         """The token ids the chat template makes of `req.messages` (a chat completion's or `/tokenize`'s): what
         the engine is fed. Optional fields read: `continue_final_message`, `chat_template_kwargs`,
-        `add_special_tokens` (vLLM's; absent: False, none, False)."""
+        `add_special_tokens`, `documents` (vLLM's; absent: False, none, False, none)."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with token "
                                 "ids", param="messages")
@@ -135,7 +135,8 @@ class Handler:
             messages = with_tools_described(messages, tools)     # the template renders none: for "auto" to read
         try:
             text = self.tokenizer.apply_chat_template([for_template(m) for m in messages], tools=tools,
-                                                      tokenize=False, **kwargs)
+                                                      documents=getattr(req, "documents", None), tokenize=False,
+                                                      **kwargs)
         except Exception as e:                         # the template's own complaint (jinja, missing template)
             raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
         return list(self.tokenizer.encode(text, add_special_tokens=getattr(req, "add_special_tokens", False)))

@@ -53,15 +53,19 @@ class StreamOptions(BaseModel):
 
 # vLLM's request fields that change the answer and that this server does not implement: accepted at their neutral
 # value only (a request vLLM serves differently is refused rather than answered otherwise)
-_NEUTRAL = {"use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True,
+NEUTRAL = {"use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True,
             "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
             "bad_words": [], "logits_processors": None, "priority": 0, "guided_json": None, "guided_regex": None,
-            "guided_choice": None, "guided_grammar": None, "structural_tag": None, "chat_template": None}
+            "guided_choice": None, "guided_grammar": None, "structural_tag": None, "chat_template": None,
+            "echo": False, "logprob_token_ids": None, "repetition_detection": None, "return_token_ids": None,
+            "return_prompt_text": None, "return_token_offsets": None, "return_mm_kwargs": None,
+            "thinking_token_budget": None, "truncation_side": None, "prompt_embeds": None, "watermarking": None,
+            "mm_payload": None, "media_io_kwargs": None, "include_reasoning": True}
 # fields OpenAI or vLLM define that cannot change the answer: accepted and not used
 IGNORED = ("user", "store", "metadata", "service_tier", "request_id", "cache_salt", "kv_transfer_params",
            "vllm_xargs", "mm_processor_kwargs", "guided_decoding_backend", "guided_whitespace_pattern",
            "prediction", "modalities", "audio", "web_search_options", "safety_identifier", "prompt_cache_key",
-           "verbosity", "include_reasoning", "documents")
+           "verbosity", "session_id", "routed_experts_prompt_start", "ec_transfer_params", "stream_interval")
 _logged: set[str] = set()
 
 
@@ -75,15 +79,16 @@ def log_ignored_once(names) -> None:
 
 class _Request(BaseModel):
     """vLLM's rule for fields it does not know: accepted and not used (logged), never refused; its own fields
-    that would change the answer are refused unless at their neutral value (`_NEUTRAL`)."""
+    that would change the answer are refused unless at their neutral value (`NEUTRAL`)."""
 
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
     def _extras(self):
         extra = dict(self.model_extra or {})
-        for name, neutral in _NEUTRAL.items():
-            if name in extra and extra[name] not in (neutral, None) and extra[name] != []:
+        for name, neutral in NEUTRAL.items():
+            value = extra.get(name)
+            if name in extra and value not in (neutral, None) and (neutral not in (None, False, []) or value):
                 raise FieldError(name, f"{name}={extra.pop(name)!r} is not supported by this server; leave it out "
                                  f"(or send {neutral!r})")
         log_ignored_once(extra)
@@ -221,6 +226,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True             # end the prompt with the assistant's turn
     continue_final_message: bool = False           # the last (assistant) message left open: the answer continues it
     add_special_tokens: bool = False               # the tokenizer's BOS etc. on top of the template's
+    documents: list[dict[str, str]] | None = None  # for a template that renders them (RAG)
     chat_template_kwargs: dict[str, Any] | None = None     # the template's variables (e.g. Qwen3's enable_thinking)
 
     @model_validator(mode="before")

@@ -54,13 +54,13 @@ class StreamOptions(BaseModel):
 # vLLM's request fields that change the answer and that this server does not implement: accepted at their neutral
 # value only (a request vLLM serves differently is refused rather than answered otherwise)
 NEUTRAL = {"use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True,
-            "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
-            "bad_words": [], "logits_processors": None, "priority": 0, "guided_json": None, "guided_regex": None,
-            "guided_choice": None, "guided_grammar": None, "structural_tag": None, "chat_template": None,
-            "echo": False, "logprob_token_ids": None, "repetition_detection": None, "return_token_ids": None,
-            "return_prompt_text": None, "return_token_offsets": None, "return_mm_kwargs": None,
-            "thinking_token_budget": None, "truncation_side": None, "prompt_embeds": None, "watermarking": None,
-            "mm_payload": None, "media_io_kwargs": None, "include_reasoning": True}
+           "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
+           "bad_words": [], "logits_processors": None, "priority": 0, "guided_json": None, "guided_regex": None,
+           "guided_choice": None, "guided_grammar": None, "structural_tag": None, "chat_template": None,
+           "echo": False, "logprob_token_ids": None, "repetition_detection": None, "return_token_ids": None,
+           "return_prompt_text": None, "return_token_offsets": None, "return_mm_kwargs": None,
+           "thinking_token_budget": None, "truncation_side": None, "prompt_embeds": None, "watermarking": None,
+           "mm_payload": None, "media_io_kwargs": None, "include_reasoning": True}
 # fields OpenAI or vLLM define that cannot change the answer: accepted and not used
 IGNORED = ("user", "store", "metadata", "service_tier", "request_id", "cache_salt", "kv_transfer_params",
            "vllm_xargs", "mm_processor_kwargs", "guided_decoding_backend", "guided_whitespace_pattern",

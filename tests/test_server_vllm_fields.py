@@ -120,3 +120,18 @@ def test_every_request_field_of_vllm_is_implemented_refused_unless_neutral_or_ig
                     assert f"{name}=" in str(e) and "not supported" in str(e)
                 else:
                     raise AssertionError(f"{route}: {name}={other!r} was accepted")
+
+
+def test_deprecated_functions_stream_function_call_deltas(client):
+    fn = {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}},
+                                           "required": ["q"]}}
+    kw = dict(model="tiny", messages=CHAT, max_tokens=40, temperature=0, functions=[fn],
+              function_call={"name": "lookup"})
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert all(d.tool_calls is None for d in deltas)
+    calls = [d.function_call for d in deltas if d.function_call is not None]
+    assert calls[0].name == "lookup" and all(c.name is None for c in calls[1:])
+    assert "".join(c.arguments or "" for c in calls) == whole.message.function_call.arguments
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason

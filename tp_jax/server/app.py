@@ -207,8 +207,7 @@ def describe_validation(errors) -> tuple[str, str | None]:
     if kind in ("model_attributes_type", "dict_type") and not loc:
         return f"the request body must be a JSON object, got {type(got).__name__}", None
     if kind == "extra_forbidden":
-        return (f"unknown field {field!r}: this server does not accept it; remove it (vLLM's extra sampling "
-                f"fields top_k, min_p, repetition_penalty, ignore_eos are accepted)"), param
+        return f"unknown field {field!r}: it has no meaning here; remove it", param
     if kind == "missing":
         return f"{field} is required", param
     if kind == "value_error" and not loc:                   # a model's own check: protocol.FieldError names the field

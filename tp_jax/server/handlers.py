@@ -353,11 +353,23 @@ class Handler:
             common["stop_reason"] = d.stop_reason
         if tools is not None:
             delta, common["finish_reason"] = tools.delta(d.text, d.finish_reason)
+            if job.request.functions is not None:         # the deprecated form streams function_call deltas
+                delta, common["finish_reason"] = _legacy_delta(delta, common["finish_reason"])
             return {**common, "delta": delta}
         if job.chat:
             return {**common, "delta": {"content": d.text} if d.text or d.finish_reason is None else {}}
         text, common["logprobs"], extra = self._with_prompt(job, index, out, d.text, common["logprobs"], d.first)
         return {**common, "text": text, **extra}
+
+
+def _legacy_delta(delta: dict, finish_reason: str | None) -> tuple[dict, str | None]:
+    """A streamed tool-call delta in the deprecated `functions` form: the first call's name and arguments as
+    `function_call` (OpenAI's legacy stream), finish_reason "function_call"."""
+    calls = delta.pop("tool_calls", None)
+    fn = next((c.get("function") for c in calls or () if c.get("index", 0) == 0), None)
+    if fn:
+        delta["function_call"] = {k: v for k, v in fn.items() if k in ("name", "arguments")}
+    return delta, "function_call" if finish_reason == "tool_calls" else finish_reason
 
 
 def sse(obj: dict) -> str:

@@ -77,7 +77,7 @@ def log_ignored_once(names) -> None:
         log.warning("request fields accepted and not used by this server (said once): %s", ", ".join(new))
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
     """vLLM's rule for fields it does not know: accepted and not used (logged), never refused; its own fields
     that would change the answer are refused unless at their neutral value (`NEUTRAL`)."""
 
@@ -95,7 +95,7 @@ class _Request(BaseModel):
         return self
 
 
-class _Sampling(_Request):
+class _Sampling(RequestBody):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
     model: str | None = None                      # None: the served model

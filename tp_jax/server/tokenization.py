@@ -20,20 +20,19 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from tp_jax.server.constraints import Tool
 from tp_jax.server.handlers import APIError, Handler
-from tp_jax.server.protocol import ChatMessage
+from tp_jax.server.protocol import ChatMessage, RequestBody
 from tp_jax.server.responses import tp_jax_version
 
 _CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     """`POST /tokenize`: vLLM's TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest (`messages`)."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
@@ -93,10 +92,9 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     """`POST /detokenize`: token ids -> text."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
 

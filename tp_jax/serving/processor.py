@@ -94,10 +94,10 @@ def _whole_characters(text: str) -> str:
     return text.rstrip("\ufffd")
 
 
-def _hidden_stop_token(s: _Sample, out: EngineOutput) -> int:
-    """1 when `out` ends its sample on a stop token id whose text stays out of the output (vLLM's rule: kept only
-    with include_stop_str_in_output; the token itself stays in token_ids), else 0."""
-    return int(out.finished and isinstance(out.stop_reason, int) and not s.params.include_stop_str_in_output)
+def _hidden_stop_token(s: _Sample, stop_reason) -> int:
+    """1 when a sample that ended with `stop_reason` ended on a stop token id whose text stays out of the output
+    (vLLM's rule: kept only with include_stop_str_in_output; the token itself stays in token_ids), else 0."""
+    return int(isinstance(stop_reason, int) and not s.params.include_stop_str_in_output)
 
 
 class OutputProcessor:
@@ -143,7 +143,8 @@ class OutputProcessor:
                 s.logprobs += out.new_top_logprobs
             if s.detok is not None:
                 before = len(s.text)
-                s.text += s.detok.push(out.new_token_ids[:len(out.new_token_ids) - _hidden_stop_token(s, out)])
+                hidden = _hidden_stop_token(s, out.stop_reason) if out.finished else 0
+                s.text += s.detok.push(out.new_token_ids[:len(out.new_token_ids) - hidden])
                 if out.finished:
                     s.text += s.detok.finish()
                 if s.params.stop and len(s.tokens) > s.params.min_tokens and self._stop_string(s, before):
@@ -171,8 +172,8 @@ class OutputProcessor:
                        now: float) -> None:
         s.finish_reason, s.stop_reason = reason, stop_reason
         if s.detok is None and self.tokenizer is not None:
-            hidden = int(isinstance(stop_reason, int) and not s.params.include_stop_str_in_output)
-            text = self.tokenizer.decode(s.tokens[:len(s.tokens) - hidden], skip_special_tokens=True)
+            text = self.tokenizer.decode(s.tokens[:len(s.tokens) - _hidden_stop_token(s, stop_reason)],
+                                         skip_special_tokens=True)
             s.text = _whole_characters(text)
         del self.children[child_id]
         if state.finished:

@@ -12,8 +12,8 @@ with no such row runs the very program it ran before (no extra input, output or 
 * `collect(prompt_plan, result)` — the step's results appended to each request's list.
 
 Results follow vLLM's layout: `[None, {token_1: lp, top...}, ..., {token_{T-1}: lp, ...}]`,
-each dict (a `Scored`, which also holds the prompt token's `rank`) the prompt token's own logprob plus the top k (raw logprobs: before penalties
-and temperature, like the sampled tokens'). A request keeps the entries it has: after a
+each dict (a `Scored`, which also holds the prompt token's `rank`) the prompt token's own logprob plus the
+top k (raw logprobs: before penalties and temperature, like the sampled tokens'). A request keeps the entries it has: after a
 preemption its recomputed positions are not scored again. Cached prefix blocks have no
 logits, so a request still collecting prompt logprobs does not reuse the prefix cache
 (vLLM does the same); its own full blocks are still registered for later requests.

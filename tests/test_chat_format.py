@@ -54,9 +54,9 @@ def test_the_flags_win_and_a_mismatch_is_said():
     fmt = choose(tok, "llama3_json", "deepseek_r1")
     assert (fmt.tool_parser, fmt.inject_tools, fmt.reasoning_parser) == ("llama3_json", False, "deepseek_r1")
     assert "--tool-call-parser" in fmt.tool_reason and "never mentions </think>" in fmt.warnings[0]
-    with pytest.raises(ValueError, match="choose one of hermes, llama3_json, mistral, qwen3_coder"):
+    with pytest.raises(ValueError, match="choose one of hermes, llama3_json, mistral, openai, qwen3_coder"):
         choose(tok, "pythonic")
-    with pytest.raises(ValueError, match="choose one of deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="choose one of deepseek_r1, qwen3, openai_gptoss"):
         choose(tok, None, "granite")
     assert choose(tokenizer(None)).tool_reason == "no chat template"
 
@@ -116,8 +116,9 @@ def test_thoughts_then_a_call_and_when_the_parser_is_off():
     assert wanted("deepseek_r1", None, True) is None and wanted("deepseek_r1", {}, False) == "deepseek_r1"
 
 
-@pytest.mark.parametrize("flag,choices", [("--tool-call-parser", "'hermes', 'llama3_json', 'mistral', 'qwen3_coder'"),
-                                          ("--reasoning-parser", "'deepseek_r1', 'qwen3'")])
+@pytest.mark.parametrize("flag,choices", [
+    ("--tool-call-parser", "'hermes', 'llama3_json', 'mistral', 'openai', 'qwen3_coder'"),
+    ("--reasoning-parser", "'deepseek_r1', 'qwen3', 'openai_gptoss'")])
 def test_an_unknown_parser_flag_exits_2_listing_the_choices(flag, choices, capsys):
     from tp_jax.server.cli import build_parser
     with pytest.raises(SystemExit) as e:

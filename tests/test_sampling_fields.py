@@ -100,3 +100,25 @@ def test_prompt_logprobs_carry_the_prompt_tokens_rank_as_transformers_counts_it(
         own = lp[i, PROMPT[i + 1]]
         lo, hi = (int((lp[i] > own + d).sum()) + 1 for d in (2e-4, -2e-4))      # within roundoff of the reference
         assert lo <= entry.rank <= hi, (i, entry.rank, lo, hi)
+
+
+def test_skip_special_tokens_false_keeps_them_as_transformers_decode_does(ref):
+    tok = ref.get_tokenizer()
+    im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])      # special; <|im_end|>: EOS
+    sp = dict(max_tokens=12, temperature=1.0, seed=11, ignore_eos=True, logit_bias={im_start: 11.0, 4: 11.0})
+    drawn = ref.generate([PROMPT], SamplingParams(**sp))[0].outputs[0]
+    special = {im_start, 4}
+    assert special & set(drawn.token_ids) and set(drawn.token_ids) - special          # a mix of both kinds
+    assert drawn.text == tok.decode(drawn.token_ids, skip_special_tokens=True)
+    for stream in (False, True):                          # decoded at the end, and incrementally
+        run = (lambda p: streamed(ref, p)) if stream else (lambda p: ref.generate([PROMPT], p)[0])
+        kept = run(SamplingParams(**sp, skip_special_tokens=False)).outputs[0]
+        assert kept.token_ids == drawn.token_ids
+        assert kept.text == tok.decode(drawn.token_ids, skip_special_tokens=False) != drawn.text, stream
+        cut = run(SamplingParams(**sp, skip_special_tokens=False, stop="<|im_start|>")).outputs[0]   # stop strings
+        assert cut.text == kept.text[:kept.text.index("<|im_start|>")] and cut.stop_reason == "<|im_start|>"
+        for include in (False, True):                     # the EOS that ended it: left out unless asked for, as vLLM
+            eos = run(SamplingParams(max_tokens=4, temperature=0.0, logit_bias={im_end: 100.0},
+                                     skip_special_tokens=False, include_stop_str_in_output=include)).outputs[0]
+            assert eos.token_ids == [im_end] and (eos.finish_reason, eos.stop_reason) == ("stop", None)
+            assert eos.text == ("<|im_end|>" if include else ""), (stream, include)

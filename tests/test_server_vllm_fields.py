@@ -1,7 +1,8 @@
 """vLLM's request fields on the server (the shared tiny server, tests/server_process.py), through the `openai`
 client, against the engine in this process (`ref`): min_tokens, logit_bias, continue_final_message,
-add_generation_prompt, return_tokens_as_token_ids, the deprecated functions / function_call, echo with logprobs'
-prompt_logprobs, stream_options.continuous_usage_stats, system_fingerprint, and fields accepted and not used.
+add_generation_prompt, return_tokens_as_token_ids, skip_special_tokens, the deprecated functions / function_call,
+echo with logprobs' prompt_logprobs, stream_options.continuous_usage_stats, system_fingerprint, and fields accepted
+and not used.
 Refusals (limits, fields not implemented here): tests/test_server_errors.py."""
 
 import httpx
@@ -42,6 +43,19 @@ def test_return_tokens_as_token_ids_names_tokens_by_id(client):
     comp = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=1,
                                      extra_body={"return_tokens_as_token_ids": True})
     assert all(t.startswith("token_id:") for t in comp.choices[0].logprobs.tokens)
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(client):
+    bias = {"1": 100}                                  # <|im_start|>: a special token, drawn every time
+    for extra, text in (({}, ""), ({"skip_special_tokens": True}, ""), ({"skip_special_tokens": False},
+                                                                        "<|im_start|>" * 3)):
+        comp = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logit_bias=bias,
+                                         extra_body=extra)
+        assert comp.choices[0].text == text, extra
+        kw = dict(model="tiny", messages=CHAT, max_tokens=3, temperature=0, logit_bias=bias, extra_body=extra)
+        assert client.chat.completions.create(**kw).choices[0].message.content == text, extra
+        chunks = client.chat.completions.create(**kw, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text, extra
 
 
 def test_deprecated_functions_are_answered_with_function_call(client):

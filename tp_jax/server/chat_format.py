@@ -3,15 +3,16 @@
     fmt = choose(tokenizer)                      # or choose(tokenizer, "llama3_json", "deepseek_r1") from the flags
     log.info(fmt.describe())                     # the start-up line: each choice and its reason
 
-Tools: the template's own call format, read from the markers it writes — Qwen3-Coder's
-`<function=...><parameter=...>` (`qwen3_coder`), `<tool_call>` (`hermes`: Qwen2.5, Qwen3, Hermes),
-`[TOOL_CALLS]` (`mistral`), Llama 3.x's `<|python_tag|>` / `"parameters"` under `ipython` (`llama3_json`).
+Tools: the template's own call format, read from the markers it writes — gpt-oss's harmony messages
+`<|channel|>...<|message|>` (`openai`), Qwen3-Coder's `<function=...><parameter=...>` (`qwen3_coder`),
+`<tool_call>` (`hermes`: Qwen2.5, Qwen3, Hermes), `[TOOL_CALLS]` (`mistral`), Llama 3.x's `<|python_tag|>` /
+`"parameters"` under `ipython` (`llama3_json`).
 A template that renders no tools at all (SmolLM2's) gets `hermes`, and for tool_choice "auto" the server
 describes the tools in a system message itself (`inject_tools`), in Qwen2.5's words, so the model sees them.
 
-Reasoning: `deepseek_r1` when the generation prompt opens a `<think>` block (DeepSeek-R1 distills,
-QwQ, Qwen3 thinking-2507), `qwen3` when the template knows `</think>` but leaves the opening to the
-model (Qwen3's `enable_thinking` switch), off otherwise.
+Reasoning: `openai_gptoss` for harmony (its `analysis` channel), `deepseek_r1` when the generation prompt
+opens a `<think>` block (DeepSeek-R1 distills, QwQ, Qwen3 thinking-2507), `qwen3` when the template knows
+`</think>` but leaves the opening to the model (Qwen3's `enable_thinking` switch), off otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import dataclasses
 
 from tp_jax.server.reasoning import END, REASONING_PARSERS, START
 from tp_jax.server.tool_parsers import PARSERS
+
+HARMONY = ("<|channel|>", "<|message|>")        # gpt-oss's chat format: tp_jax/server/harmony.py
 
 _PROBE_USER = "probe-user-4d1c"
 _PROBE_TOOL = {"type": "function", "function": {
@@ -67,7 +70,10 @@ def choose(tokenizer, tool_parser: str | None = None, reasoning_parser: str | No
         reasoning_parser, reasoning_reason = reasoning_format(source, _generation_prompt(tokenizer))
     else:
         reasoning_reason = "--reasoning-parser"
-        if END not in source:
+        if reasoning_parser == "openai_gptoss" and not _harmony(source):
+            warnings.append(f"--reasoning-parser {reasoning_parser}: this model's chat template writes no harmony "
+                            f"messages ({' / '.join(HARMONY)}), so answers are likely read as plain content")
+        elif reasoning_parser != "openai_gptoss" and END not in source:
             warnings.append(f"--reasoning-parser {reasoning_parser}: this model's chat template never mentions "
                             f"{END}, so it is likely not a thinking model; answers without {END} are read as "
                             + ("all reasoning" if reasoning_parser == "deepseek_r1" else "plain content"))
@@ -76,6 +82,8 @@ def choose(tokenizer, tool_parser: str | None = None, reasoning_parser: str | No
 
 def tool_format(source: str, renders_tools: bool) -> tuple[str, str]:
     """(parser, reason) from the markers a template's source writes."""
+    if _harmony(source):
+        return "openai", "the chat template writes harmony messages, calls to=functions.NAME (gpt-oss)"
     if "<function=" in source and "<parameter=" in source:
         return "qwen3_coder", "the chat template writes <function=...><parameter=...> calls (Qwen3-Coder)"
     if "<tool_call>" in source:
@@ -92,6 +100,8 @@ def tool_format(source: str, renders_tools: bool) -> tuple[str, str]:
 
 def reasoning_format(source: str, generation_prompt: str) -> tuple[str | None, str]:
     """(parser or None, reason) from a template's source and the prompt's end it renders for the answer."""
+    if _harmony(source):
+        return "openai_gptoss", "the chat template writes harmony messages; thoughts are the analysis channel"
     opened = generation_prompt.rfind(START)
     if opened >= 0 and END not in generation_prompt[opened:]:
         return "deepseek_r1", f"the chat template opens {START} in the prompt, so the answer's thoughts end at {END}"
@@ -100,6 +110,10 @@ def reasoning_format(source: str, generation_prompt: str) -> tuple[str | None, s
     if END in source:
         return "qwen3", f"the chat template strips {START}...{END} blocks; the model opens its own"
     return None, f"the chat template has no {START} blocks"
+
+
+def _harmony(source: str) -> bool:
+    return all(marker in source for marker in HARMONY)
 
 
 def _template(tokenizer) -> str | None:

@@ -28,6 +28,7 @@ from tp_jax.server.protocol import ChatCompletionRequest, CompletionRequest, req
 from tp_jax.server.constraints import request_constraint
 from tp_jax.server.chat_format import ChatFormat, choose as choose_chat_format
 from tp_jax.server.chat_output import ChoiceStream, message as chat_message
+from tp_jax.server.harmony import CALL, RETURN
 from tp_jax.server.reasoning import wanted as reasoning_wanted
 from tp_jax.server.tools import ToolMode, for_template, with_tools_described
 from tp_jax.server.responses import (FINGERPRINT, TOKEN_IDS, ChoiceDelta, Delta, Tokens, chat_logprobs,
@@ -82,6 +83,9 @@ class Handler:
         self.aengine, self.tokenizer, self.names = aengine, tokenizer, list(model_names)
         self.loras = dict(lora_modules or {})
         self.format: ChatFormat = choose_chat_format(tokenizer, tool_parser, reasoning_parser)
+        # gpt-oss's harmony: answers decoded with their markers (special tokens) kept, ended at <|return|> or <|call|>
+        self.harmony = self.format.reasoning_parser == "openai_gptoss" or self.format.tool_parser == "openai"
+        self.harmony_stops = harmony_stop_ids(tokenizer) if self.harmony else ()
         self.max_model_len, self.metrics = max_model_len, metrics
         self.tokens = Tokens(tokenizer)
         self.active: set[str] = set()                # engine request ids in flight
@@ -124,11 +128,15 @@ class Handler:
             raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with token "
                                 "ids", param="messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        if tools and self.harmony:         # gpt-oss's template writes "// " + description; vLLM needs none
+            tools = [{**t, "function": {"description": "", **t["function"]}} for t in tools]
         extra = getattr(req, "chat_template_kwargs", None) or {}
         if own := sorted(_TEMPLATE_CALL_ARGS & extra.keys()):
             raise APIError(400, f"chat_template_kwargs sets {', '.join(own)}: arguments of the template call, not "
                                 f"variables of the template; remove them", param="chat_template_kwargs")
-        kwargs = {**extra, "add_generation_prompt": req.add_generation_prompt,
+        effort = getattr(req, "reasoning_effort", None)          # vLLM's: a template variable (gpt-oss reads it)
+        kwargs = {**({} if effort is None else {"reasoning_effort": effort}), **extra,
+                  "add_generation_prompt": req.add_generation_prompt,
                   "continue_final_message": getattr(req, "continue_final_message", False)}
         messages = req.conversation()
         if tools and self.format.inject_tools and getattr(req, "tool_choice_name", "auto") == "auto":
@@ -174,6 +182,7 @@ class Handler:
         try:
             constraint = request_constraint(req, None if tools is None else tools.constraint())
             params = sampling_params(req, max_tokens, constraint and constraint[1])
+            params = self._for_format(params) if chat else params
         except ValueError as e:
             raise APIError(400, str(e).removeprefix("SamplingParams: "), param=getattr(e, "param", None)) from None
         field = "messages" if chat else "prompt"
@@ -194,6 +203,14 @@ class Handler:
         model = req.model if req.model is not None else self.names[0]
         return Job(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, prompts, params, req,
                    tools=tools, prepared=prepared)
+
+    def _for_format(self, params: SamplingParams) -> SamplingParams:
+        """A chat request's params as the chat format needs them. Harmony (gpt-oss): decoded with special tokens
+        kept (its markers are special tokens), and ended at <|return|> and <|call|> as vLLM ends it."""
+        if not self.harmony:
+            return params
+        stops = params.stop_token_ids + tuple(t for t in self.harmony_stops if t not in params.stop_token_ids)
+        return dataclasses.replace(params, skip_special_tokens=False, stop_token_ids=stops)
 
     # --- LoRA adapters at run time (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -------------
     def load_adapter(self, name: str, path: str) -> str:
@@ -360,6 +377,14 @@ class Handler:
             return {**common, "delta": {"content": d.text} if d.text or d.finish_reason is None else {}}
         text, common["logprobs"], extra = self._with_prompt(job, index, out, d.text, common["logprobs"], d.first)
         return {**common, "text": text, **extra}
+
+
+def harmony_stop_ids(tokenizer) -> tuple[int, ...]:
+    """The ids of harmony's ends of an assistant turn, `<|return|>` and `<|call|>`, that the tokenizer has, less its
+    EOS (already an end of every request: reported with stop_reason null, as vLLM reports it)."""
+    vocab = {} if tokenizer is None else tokenizer.get_vocab()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return tuple(vocab[t] for t in (RETURN, CALL) if t in vocab and vocab[t] != eos)
 
 
 def _legacy_delta(delta: dict, finish_reason: str | None) -> tuple[dict, str | None]:

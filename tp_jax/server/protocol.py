@@ -3,8 +3,9 @@
 * `CompletionRequest`, `ChatCompletionRequest` — what a client POSTs to `/v1/completions` and
   `/v1/chat/completions`: OpenAI's fields plus vLLM's extra fields (`top_k`, `min_p`, `min_tokens`,
   `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-  `prompt_logprobs`, `return_tokens_as_token_ids`, `continue_final_message`, ...); completions' `echo`
-  and `max_tokens: 0` as OpenAI and vLLM define them; chat's deprecated `functions` / `function_call`.
+  `prompt_logprobs`, `return_tokens_as_token_ids`, `skip_special_tokens`, `continue_final_message`, ...);
+  completions' `echo` and `max_tokens: 0` as OpenAI and vLLM define them; chat's deprecated `functions` /
+  `function_call`.
   Ranges are declared on the fields (OpenAI's and vLLM's limits), so a bad value is refused (400)
   before anything runs. Unknown fields are accepted and not used, as vLLM does (logged once per
   name); vLLM's fields that would change the answer and are not implemented here are accepted only
@@ -53,9 +54,9 @@ class StreamOptions(BaseModel):
 
 # vLLM's request fields that change the answer and that this server does not implement: accepted at their neutral
 # value only (a request vLLM serves differently is refused rather than answered otherwise)
-NEUTRAL = {"use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True,
-           "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
-           "bad_words": [], "logits_processors": None, "priority": 0, "guided_json": None, "guided_regex": None,
+NEUTRAL = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+           "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [], "logits_processors": None,
+           "priority": 0, "guided_json": None, "guided_regex": None,
            "guided_choice": None, "guided_grammar": None, "structural_tag": None, "chat_template": None,
            "echo": False, "logprob_token_ids": None, "repetition_detection": None, "return_token_ids": None,
            "return_prompt_text": None, "return_token_offsets": None, "return_mm_kwargs": None,
@@ -121,6 +122,7 @@ class _Sampling(RequestBody):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None    # per prompt token, + top-N
     return_tokens_as_token_ids: bool | None = None     # logprobs name tokens "token_id:<id>"
+    skip_special_tokens: bool = True               # False: the text keeps the special tokens the model wrote
     # structured outputs (tp_jax/server/constraints.py): OpenAI's response_format, vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -218,7 +220,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # None: auto with tools
     parallel_tool_calls: bool | None = None        # accepted; a model may make several calls
-    reasoning_effort: Literal["low", "medium", "high"] | None = None      # accepted, as vLLM (the model decides)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None      # a template variable (gpt-oss reads it)
     # OpenAI's deprecated form of tools: answered in its own form (message.function_call)
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | FunctionName | None = None
@@ -303,7 +305,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         logprobs=requested_logprobs(r), include_stop_str_in_output=r.include_stop_str_in_output,
         prompt_logprobs=r.engine_prompt_logprobs if isinstance(r, CompletionRequest) else r.prompt_logprobs,
         structured_outputs=structured_outputs, min_tokens=r.min_tokens,
-        logit_bias={int(k): v for k, v in (r.logit_bias or {}).items()})
+        logit_bias={int(k): v for k, v in (r.logit_bias or {}).items()}, skip_special_tokens=r.skip_special_tokens)
 
 
 class LoadLoRAAdapterRequest(BaseModel):

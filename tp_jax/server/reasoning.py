@@ -4,6 +4,8 @@
   (DeepSeek-R1 and QwQ templates open the block in the prompt); no `</think>` yet: all reasoning.
 * `qwen3` — only a `<think>...</think>` block the answer opens with is reasoning (Qwen3 writes
   its own `<think>`; with `enable_thinking=False` its template closes an empty block in the prompt).
+* `openai_gptoss` — gpt-oss's harmony `analysis` channel (tp_jax/server/harmony.py); its content keeps the
+  `to=functions.*` calls for the `openai` tool parser.
 
 `ReasoningStream(name).feed(new_text, done) -> (reasoning, content)` splits a streamed answer, holding
 back what may be the start of a tag; `split(name, text)` is the same reading of a whole answer, so the
@@ -12,10 +14,11 @@ streamed pieces always join up to the whole answer's fields.
 
 from __future__ import annotations
 
+from tp_jax.server.harmony import HarmonyStream
 from tp_jax.server.tool_parsers import partial_suffix
 
 START, END = "<think>", "</think>"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 
 
 class ReasoningStream:
@@ -23,9 +26,12 @@ class ReasoningStream:
         if name not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(REASONING_PARSERS)}")
         self.name, self.buf, self.phase = name, "", "start"
+        self.harmony = HarmonyStream() if name == "openai_gptoss" else None
 
     def feed(self, new: str, done: bool) -> tuple[str, str]:
         """(reasoning, content) newly certain after `new`; `done`: the answer ended (nothing held back)."""
+        if self.harmony is not None:
+            return self.harmony.feed(new, done)
         self.buf += new
         reasoning = content = ""
         if self.phase == "start":
@@ -57,9 +63,10 @@ def split(name: str, text: str) -> tuple[str | None, str | None]:
 
 def wanted(name: str | None, template_kwargs: dict | None, constrained: bool) -> str | None:
     """The parser a request is read with: none when the template was told not to think (`enable_thinking` /
-    `thinking` false) or when the answer is constrained (a grammar from its first token leaves no room for
-    thoughts)."""
+    `thinking` false; gpt-oss's template has no such switch, its answers are harmony still) or when the answer
+    is constrained (a grammar from its first token leaves no room for thoughts)."""
     kwargs = template_kwargs or {}
-    if name is None or constrained or kwargs.get("enable_thinking", True) is False or kwargs.get("thinking") is False:
+    told_not_to = kwargs.get("enable_thinking", True) is False or kwargs.get("thinking") is False
+    if name is None or constrained or (told_not_to and name != "openai_gptoss"):
         return None
     return name

@@ -53,12 +53,14 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                     help="how tool_choice \"auto\" reads the model's tool calls: hermes (Qwen2.5 / Qwen3, "
                          "<tool_call> JSON), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), qwen3_coder "
-                         "(<function=...> XML); default: chosen from the chat template (logged at start-up)")
+                         "(<function=...> XML), openai (gpt-oss's harmony to=functions.NAME messages); default: "
+                         "chosen from the chat template (logged at start-up)")
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help="accepted for vLLM's command lines; tool_choice \"auto\" works without it")
     ap.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                     help="move a thinking model's thoughts into reasoning_content: deepseek_r1 (everything before "
-                         "</think>), qwen3 (a <think>...</think> block); default: chosen from the chat template")
+                         "</think>), qwen3 (a <think>...</think> block), openai_gptoss (gpt-oss's harmony analysis "
+                         "channel); default: chosen from the chat template")
     ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                     help="with --enable-lora: LoRA adapters (PEFT directories) served as models of their own, "
                          "`model=NAME` selecting one (vLLM's JSON form {\"name\": ..., \"path\": ...} too)")

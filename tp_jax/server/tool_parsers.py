@@ -10,7 +10,8 @@
   Llama 3.x), `mistral` (`[TOOL_CALLS] [{"name", "arguments"}, ...]`: Mistral 7B v0.3 and
   kin; the marker is a special token, so the array alone at the start counts too) and
   `qwen3_coder` (`<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`,
-  values typed by the tool's schema: Qwen3-Coder).
+  values typed by the tool's schema: Qwen3-Coder), `openai` (gpt-oss's harmony `to=functions.NAME` messages,
+  read by tp_jax/server/harmony.py from what its reasoning parser `openai_gptoss` passes on).
 
 Each parser: `parse(text) -> (content, calls)` for a whole answer; `calls_start(text)` (where the
 calls begin, or None) and `holdback(text)` (trailing characters that may begin a call) for content
@@ -24,6 +25,8 @@ import dataclasses
 import json
 import re
 from typing import Any
+
+from tp_jax.server.harmony import HarmonyCalls
 
 
 @dataclasses.dataclass
@@ -351,9 +354,17 @@ class Qwen3CoderParser:
         return text[:at].strip() or None, calls
 
 
+class OpenAIParser(HarmonyCalls):
+    """gpt-oss's calls (harmony): `<|start|>assistant to=functions.NAME<|message|>{...}<|call|>` messages."""
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        content, calls = self.parse_calls(text)
+        return content, [ToolCall(name, args) for name, args in calls]
+
+
 def _json(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
-           "qwen3_coder": Qwen3CoderParser}
+           "qwen3_coder": Qwen3CoderParser, "openai": OpenAIParser}

@@ -6,6 +6,10 @@ text is checked for stop strings after every token, and a hit ends the sample: i
 cut at the stop string (kept with `include_stop_str_in_output`) and the core is told to abort
 it. Other requests are decoded once, when they finish. A request with n > 1 runs as n child
 requests in the core; its RequestOutput gathers them and finishes with the last.
+
+Special tokens are left out of the text unless a request says `skip_special_tokens=False` (vLLM's option;
+gpt-oss's harmony answers need their markers). Either way the token that ended a sample — a stop token id,
+or an end-of-sequence token — is left out of the text unless `include_stop_str_in_output`, as in vLLM.
 """
 
 from __future__ import annotations
@@ -25,12 +29,12 @@ class Detokenizer:
     incomplete UTF-8 character. `finish()` reconciles with a full decode of all the ids.
     """
 
-    def __init__(self, tokenizer):
-        self.tok, self.ids, self.text = tokenizer, [], ""
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tok, self.skip, self.ids, self.text = tokenizer, skip_special_tokens, [], ""
         self.prefix = self.read = 0
 
     def _decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
 
     def push(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
@@ -94,15 +98,30 @@ def _whole_characters(text: str) -> str:
     return text.rstrip("\ufffd")
 
 
-def _hidden_stop_token(s: _Sample, stop_reason) -> int:
-    """1 when a sample that ended with `stop_reason` ended on a stop token id whose text stays out of the output
-    (vLLM's rule: kept only with include_stop_str_in_output; the token itself stays in token_ids), else 0."""
-    return int(isinstance(stop_reason, int) and not s.params.include_stop_str_in_output)
+def _hidden_stop_token(s: _Sample, finish_reason: str | None, stop_reason, special: frozenset[int]) -> int:
+    """1 when a sample that ended with (`finish_reason`, `stop_reason`) ended on a token whose text stays out of
+    the output, else 0 (vLLM's rule: kept only with include_stop_str_in_output; the token itself stays in
+    token_ids). That token is a stop token id (`stop_reason` is its id) or an end-of-sequence token ("stop"
+    with no stop_reason, on a special token: the other such end, a grammar complete, ends on its own text);
+    the latter matters only with skip_special_tokens=False, where its text would otherwise show."""
+    if s.params.include_stop_str_in_output:
+        return 0
+    eos = finish_reason == "stop" and stop_reason is None and bool(s.tokens) and s.tokens[-1] in special
+    return int(isinstance(stop_reason, int) or eos)
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """The ids a decode with skip_special_tokens=True leaves out: the named special tokens and the added tokens
+    marked special."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(getattr(tokenizer, "all_special_ids", ()) or ()) | \
+        frozenset(i for i, t in added.items() if getattr(t, "special", False))
 
 
 class OutputProcessor:
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
+        self.special = frozenset() if tokenizer is None else special_token_ids(tokenizer)
         self.states: dict[str, RequestState] = {}
         self.children: dict[str, tuple[RequestState, int]] = {}      # core request id -> (parent, sample)
 
@@ -113,7 +132,7 @@ class OutputProcessor:
             if s.params.logprobs is not None:
                 s.logprobs = []
             if self.tokenizer is not None and (stream or s.params.stop):
-                s.detok = Detokenizer(self.tokenizer)
+                s.detok = Detokenizer(self.tokenizer, s.params.skip_special_tokens)
             self.children[cid] = (state, i)
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -143,7 +162,7 @@ class OutputProcessor:
                 s.logprobs += out.new_top_logprobs
             if s.detok is not None:
                 before = len(s.text)
-                hidden = _hidden_stop_token(s, out.stop_reason) if out.finished else 0
+                hidden = _hidden_stop_token(s, out.finish_reason, out.stop_reason, self.special) if out.finished else 0
                 s.text += s.detok.push(out.new_token_ids[:len(out.new_token_ids) - hidden])
                 if out.finished:
                     s.text += s.detok.finish()
@@ -172,8 +191,9 @@ class OutputProcessor:
                        now: float) -> None:
         s.finish_reason, s.stop_reason = reason, stop_reason
         if s.detok is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(s.tokens[:len(s.tokens) - _hidden_stop_token(s, stop_reason)],
-                                         skip_special_tokens=True)
+            hidden = _hidden_stop_token(s, reason, stop_reason, self.special)
+            text = self.tokenizer.decode(s.tokens[:len(s.tokens) - hidden],
+                                         skip_special_tokens=s.params.skip_special_tokens)
             s.text = _whole_characters(text)
         del self.children[child_id]
         if state.finished:

@@ -114,13 +114,14 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None   # a JSON schema / regex / choice / grammar
     min_tokens: int = 0                   # EOS, stop token ids and stop strings cannot end it before this many
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (not to logprobs)
+    skip_special_tokens: bool = True      # False: the text keeps special tokens (gpt-oss's harmony markers)
 
     def __post_init__(self):
         for name, (integer, ok, allowed) in _RULES.items():
             value = getattr(self, name)
             if not (value is None and name in _OPTIONAL):
                 object.__setattr__(self, name, _checked(name, value, integer, ok, allowed))
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams: {name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "stop", _stop_strings(self.stop))

@@ -1,20 +1,32 @@
 """The mixture-of-experts feed-forward block (vLLM's `FusedMoE`), in two layouts over the mesh.
 
-    logits = x W_r                      router, replicated, float32 logits [T, E]
-    p = softmax(logits); w, e = top_k(p)   (renormalize: w /= sum(w), Mixtral / norm_topk_prob)
-    y = sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))   (+ sigmoid(x W_s) * shared(x), Qwen2-MoE)
+    logits = x W_r (+ b_r)               router, replicated, float32 logits [T, E] (b_r: gpt-oss's router bias)
+    s = softmax(logits)                  (`scoring="sigmoid"`: s = sigmoid(logits), DeepSeek-V3)
+    c = s (+ b_c)                        selection scores (b_c: DeepSeek-V3's e_score_correction_bias)
+    groups (n_group G, topk_group g): each group of E / G experts scored by max(c) (DeepSeek-V2's
+        group_limited_greedy) or the sum of its top-2 c (V3); c = -inf outside the best g groups
+    e = top_k(c); w = s[e]               the weights are the un-biased scores of the chosen experts
+        (renormalize: w /= sum(w), Mixtral / norm_topk_prob; + 1e-20 under sigmoid); w *= routed_scaling_factor
+    h = x W_gu,e (+ b_gu,e); g, u = halves of h (interleaved_gate_up: g = h[0::2], u = h[1::2], gpt-oss)
+    a = silu(g) * u                      ("swigluoai", gpt-oss: g' = min(g, L), u' = clip(u, -L, L),
+                                          a = (u' + 1) * g' * sigmoid(alpha g'), alpha = swiglu_alpha, L = swiglu_limit)
+    y = sum_k w_k * (a W_d,e (+ b_d,e))  (+ sigmoid(x W_s) * shared(x), Qwen2-MoE; shared_gate=False: + shared(x),
+                                          DeepSeek)
 
 Layouts (vLLM's `enable_expert_parallel`, `FusedMoEParallelConfig`):
 
 * TP (default): every rank holds every expert, each expert's intermediate dim split over tp
   like a dense MLP: `gate_up[E, D, 2F/tp]`, `down[E, F/tp, D]`; one psum over tp (shared
-  expert's partial sum included).
+  expert's partial sum included). Expert biases: `gate_up_bias[E, 2F/tp]` split like gate_up's output,
+  `down_bias[E, D]` whole on every rank and added on tp rank 0 only (the psum then counts it once).
+  Interleaved gate/up split contiguously over the 2F rows: each rank takes whole (gate, up) pairs.
 * EP: the dp x tp devices of a pipeline stage are one expert group of ep = dp * tp ranks; rank
   r (= dp_index * tp + tp_index) holds whole experts, vLLM's `determine_expert_map` order
   (E // ep each, the first E % ep ranks one more), padded to E_local = ceil(E / ep) slots with
-  never-routed zero experts: `gate_up[ep * E_local, D, 2F]` split over ("dp", "tp"). Tokens are
-  dp-sharded: the block all-gathers them over dp, routes all of them, runs its local experts,
-  reduce-scatters the partial sums back over dp and psums over tp (tp ranks hold other experts).
+  never-routed zero experts: `gate_up[ep * E_local, D, 2F]` split over ("dp", "tp"), biases alike (each
+  added by the rank holding its expert). Tokens are dp-sharded: the block all-gathers them over dp, routes
+  all of them, runs its local experts, reduce-scatters the partial sums back over dp and psums over tp
+  (tp ranks hold other experts).
 
 Dispatch (local): assignments (token, choice) are either
 * "gather": each assignment multiplies its expert's weight gathered by index, `[A, D, 2F]`
@@ -44,6 +56,9 @@ from tp_jax.parallel.layers.method import EXPERTS, UNQUANTIZED, LinearMethod, Un
 from tp_jax.parallel.mesh import DP, TP
 
 DISPATCHES = ("auto", "gather", "ragged", "dense")
+SCORINGS = ("softmax", "sigmoid")                  # the router's scores (vLLM's scoring_func)
+GROUP_SCORES = ("max", "top2_sum")                 # a group's score: DeepSeek-V2's max, V3's sum of its top 2
+ACTIVATIONS = ("silu", "swigluoai")                # the experts' SwiGLU: plain, or gpt-oss's clamped one
 
 
 def expert_slots(num_experts: int, ep: int) -> np.ndarray:
@@ -57,29 +72,63 @@ def expert_slots(num_experts: int, ep: int) -> np.ndarray:
     return slots
 
 
+def routing_problem(num_experts: int, top_k: int, n_group: int | None, topk_group: int | None,
+                    group_score: str) -> str | None:
+    """What is wrong with a group-limited selection (None: nothing): G = n_group must divide E, 1 <= topk_group <= G,
+    the kept groups must hold at least top_k experts, and a "top2_sum" group at least 2."""
+    if n_group is None:
+        return None if topk_group is None else f"topk_group={topk_group} needs n_group (the number of groups)"
+    if not isinstance(n_group, int) or isinstance(n_group, bool) or n_group < 1 or num_experts % n_group:
+        return f"n_group={n_group!r} must be a positive integer dividing num_experts={num_experts}"
+    if not isinstance(topk_group, int) or isinstance(topk_group, bool) or not 1 <= topk_group <= n_group:
+        return f"topk_group={topk_group!r} must be an integer between 1 and n_group={n_group}"
+    if group_score not in GROUP_SCORES:
+        return f"group_score={group_score!r}; choose one of {GROUP_SCORES}"
+    size = num_experts // n_group
+    if top_k > topk_group * size:
+        return (f"top_k={top_k} exceeds the {topk_group * size} experts of the topk_group={topk_group} kept groups "
+                f"({size} experts each)")
+    if group_score == "top2_sum" and size < 2:
+        return f"group_score='top2_sum' needs groups of at least 2 experts; n_group={n_group} leaves {size}"
+    return None
+
+
 class Experts(ParallelModule):
     """E experts' SwiGLU weights, stacked: `gate_up[E_slots, D, 2F_local]`, `down[E_slots, F_local, D]`.
 
     Args: `num_experts` E, `hidden_size` D, `intermediate_size` F (one expert's), `tp_size`,
-    `ep_size` (None: the TP layout; k: whole experts over k = dp * tp ranks), `dtype`, `rngs`.
-    Checkpoint parts per expert e: "gate.e", "up.e" `[F, D]` and "down.e" `[D, F]` (torch layout).
+    `ep_size` (None: the TP layout; k: whole experts over k = dp * tp ranks), `bias` (per-expert biases
+    `gate_up_bias[E_slots, 2F_local]` split like gate_up's output, `down_bias[E_slots, D]`), `activation`
+    (`ACTIVATIONS`: "silu", or gpt-oss's "swigluoai" with `swiglu_alpha`, `swiglu_limit`), `interleaved`
+    (the checkpoint's gate and up are the even and odd rows of one fused tensor), `dtype`, `rngs`.
+    Checkpoint parts per expert e: "gate.e", "up.e" `[F, D]` (interleaved: one "gate_up.e" `[2F, D]`) and
+    "down.e" `[D, F]` (torch layout); biases: "gate.e", "up.e" `[F]` (interleaved: "gate_up.e" `[2F]`) and
+    "down.e" `[D]`.
     `method`: `Unquantized` (the float kernels) or, after `use_method(Int8())`, int8 kernels of the same
     shapes with per-expert output-channel scales `gate_up_scale[E_slots, 2F_local]`, `down_scale[E_slots, D]`
-    (layers/int8.py); the loader picks it like a linear layer's (kind EXPERTS).
+    (layers/int8.py); the loader picks it like a linear layer's (kind EXPERTS). Biases stay float under any
+    method (added after the scaled dot).
     """
     weight_name, weight_kind = "gate_up", EXPERTS
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp_size: int = 1,
-                 ep_size: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
-        check_tp_size(tp_size, type(self).__name__)
+                 ep_size: int | None = None, bias: bool = False, activation: str = "silu", swiglu_alpha: float = 1.702,
+                 swiglu_limit: float = 7.0, interleaved: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+        name = type(self).__name__
+        check_tp_size(tp_size, name)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{name}: activation={activation!r}; choose one of {ACTIVATIONS}.")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.tp_size, self.ep_size = tp_size, ep_size
+        self.use_bias, self.activation, self.interleaved = bias, activation, interleaved
+        self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
         if ep_size is None:
             if intermediate_size % tp_size:
-                raise ValueError(f"{type(self).__name__}: moe intermediate_size={intermediate_size} is not divisible "
-                                 f"by tp={tp_size} (each expert's width splits over tp); choose a tp that divides "
-                                 f"{intermediate_size}, or enable expert parallelism (enable_expert_parallel=True), "
-                                 f"which keeps each expert whole")
+                pairs = " (interleaved gate/up: each rank takes whole (gate, up) pairs)" if interleaved else ""
+                raise ValueError(f"{name}: moe intermediate_size={intermediate_size} is not divisible "
+                                 f"by tp={tp_size} (each expert's width splits over tp{pairs}); choose a tp that "
+                                 f"divides {intermediate_size}, or enable expert parallelism "
+                                 f"(enable_expert_parallel=True), which keeps each expert whole")
             self.slots, self.local_experts = None, num_experts
         else:
             self.slots = tuple(map(tuple, expert_slots(num_experts, ep_size).tolist()))
@@ -89,19 +138,23 @@ class Experts(ParallelModule):
         for name, decl in self.statements().items():
             shape = self._global_shape(name)
             setattr(self, name, nnx.Param(init(rngs.params(), shape, dtype), out_sharding=decl.spec()))
+        for name, decl in self.bias_statements().items():
+            setattr(self, name, nnx.Param(jnp.zeros(self._global_shape(name), dtype), out_sharding=decl.spec()))
 
-    def _global_shape(self, name: str) -> tuple[int, int, int]:
+    def _global_shape(self, name: str) -> tuple[int, ...]:
         slots = self.num_experts if self.slots is None else len(self.slots) * self.local_experts
         d, f = self.hidden_size, self.intermediate_size
-        return (slots, d, 2 * f) if name == "gate_up" else (slots, f, d)
+        return {"gate_up": (slots, d, 2 * f), "down": (slots, f, d),
+                "gate_up_bias": (slots, 2 * f), "down_bias": (slots, d)}[name]
 
     def loading(self) -> dict[str, ShardedParam]:
-        """The float statements, or, under a method (int8), the params it derives from them (values, scales)."""
+        """The float statements, or, under a method (int8), the params it derives from them (values, scales);
+        the biases' statements (float under any method)."""
         decl = self.statements()
-        if isinstance(self.method, Unquantized):
-            return decl
-        return {name + suffix: p.decl for name, d in decl.items()
-                for suffix, p in self.method.expert_params(d, name, self._global_shape(name)).items()}
+        if not isinstance(self.method, Unquantized):
+            decl = {name + suffix: p.decl for name, d in decl.items()
+                    for suffix, p in self.method.expert_params(d, name, self._global_shape(name)).items()}
+        return {**decl, **self.bias_statements()}
 
     def use_method(self, method: LinearMethod) -> None:
         """Re-create the experts' params for `method` (int8) on a built (abstract) model, as
@@ -122,22 +175,40 @@ class Experts(ParallelModule):
                                                        out_sharding=lead_spec + p.decl.spec()))
         self.method = method
 
+    def _per_expert(self, bias: bool) -> tuple[dict[str, PartRows], dict[str, PartRows]]:
+        """One expert's parts of (gate_up, down), of the kernels or (`bias`) of the biases, with their tp rows in
+        the TP layout. Interleaved gate/up: one part whose 2F rows split contiguously (whole pairs per rank).
+        down's bias is whole on every rank (added on tp rank 0: `_biased`)."""
+        d, f = self.hidden_size, self.intermediate_size
+
+        def rows(n: int) -> np.ndarray | None:
+            return contiguous_rows(n, self.tp_size) if self.slots is None else None
+
+        def part(out: int, inp: int) -> PartRows:
+            return PartRows((out,) if bias else (out, inp), rows(out))
+        gate_up = {"gate_up": part(2 * f, d)} if self.interleaved else {"gate": part(f, d), "up": part(f, d)}
+        down = {"down": PartRows((d,))} if bias else {"down": PartRows((d, f), rows(f))}
+        return gate_up, down
+
     def statements(self) -> dict[str, ExpertParam]:
-        """The one statement of each float param's split (gate_up, down) over tp, or over dp x tp under EP."""
-        d, f, tp = self.hidden_size, self.intermediate_size, self.tp_size
-        if self.slots is None:
-            tp_rows = contiguous_rows(f, tp)
-            gate_up = {"gate": PartRows((f, d), tp_rows), "up": PartRows((f, d), tp_rows)}
-            down = {"down": PartRows((d, f), tp_rows)}
-            kw = dict(slots=None, axes=())
-            splits = (0, 1)
-        else:
-            gate_up = {"gate": PartRows((f, d)), "up": PartRows((f, d))}
-            down = {"down": PartRows((d, f))}
-            kw = dict(slots=np.asarray(self.slots), axes=(DP, TP))
-            splits = (None, None)
-        return {"gate_up": ExpertParam.build(gate_up, self.num_experts, split=splits[0], transpose=True, **kw),
-                "down": ExpertParam.build(down, self.num_experts, split=splits[1], transpose=True, **kw)}
+        """The one statement of each float kernel's split (gate_up, down) over tp, or over dp x tp under EP."""
+        gate_up, down = self._per_expert(bias=False)
+        tp = self.slots is None
+        kw = dict(slots=None, axes=()) if tp else dict(slots=np.asarray(self.slots), axes=(DP, TP))
+        return {"gate_up": ExpertParam.build(gate_up, self.num_experts, split=0 if tp else None, transpose=True, **kw),
+                "down": ExpertParam.build(down, self.num_experts, split=1 if tp else None, transpose=True, **kw)}
+
+    def bias_statements(self) -> dict[str, ExpertParam]:
+        """The biases' statements (none without `bias`): gate_up_bias split like gate_up's output, down_bias
+        whole per expert (TP layout: on every rank), both over dp x tp with their experts under EP."""
+        if not self.use_bias:
+            return {}
+        gate_up, down = self._per_expert(bias=True)
+        tp = self.slots is None
+        kw = dict(slots=None, axes=()) if tp else dict(slots=np.asarray(self.slots), axes=(DP, TP))
+        return {"gate_up_bias": ExpertParam.build(gate_up, self.num_experts, split=0 if tp else None,
+                                                  transpose=False, **kw),
+                "down_bias": ExpertParam.build(down, self.num_experts, split=None, transpose=False, **kw)}
 
     def load_global(self, tensors):
         """Global values from whole tensors `{param: {part: tensor}}` (tests): every rank's block, concatenated."""
@@ -174,8 +245,16 @@ class Experts(ParallelModule):
         return run(x, slot, held, w, k)
 
     def _swiglu(self, h: jax.Array) -> jax.Array:
-        g, u = jnp.split(h, 2, axis=-1)
-        return (jax.nn.silu(g) * u).astype(self.param_dtype)
+        """h[..., 2F_local] float32 -> the activation [..., F_local] in the model's dtype (module doc)."""
+        if self.interleaved:
+            g, u = h[..., 0::2], h[..., 1::2]
+        else:
+            g, u = jnp.split(h, 2, axis=-1)
+        if self.activation == "silu":
+            return (jax.nn.silu(g) * u).astype(self.param_dtype)
+        g = jnp.minimum(g, self.swiglu_limit)
+        u = jnp.clip(u, -self.swiglu_limit, self.swiglu_limit)
+        return ((u + 1.0) * (g * jax.nn.sigmoid(self.swiglu_alpha * g))).astype(self.param_dtype)
 
     def _kernel(self, name: str, slot: jax.Array | None = None) -> jax.Array:
         """This rank's stacked kernel `name` (its experts `slot`, or all), in the model's dtype (int8 cast)."""
@@ -192,12 +271,22 @@ class Experts(ParallelModule):
         s = getattr(self, name + "_scale")[...]                                  # [E_local, out]
         return y * (s[slot] if slot is not None else s[:, None, :])
 
+    def _biased(self, y: jax.Array, name: str, slot: jax.Array | None = None) -> jax.Array:
+        """y [..., out] (slot given: one row per slot; else [E_local, M, out]) plus kernel `name`'s bias, if any.
+        down's bias in the TP layout on tp rank 0 only: the psum over tp would count it tp times."""
+        if not self.use_bias:
+            return y
+        b = getattr(self, name + "_bias")[...].astype(jnp.float32)              # [E_local, out]
+        if name == "down" and self.slots is None and self.tp_size > 1:
+            b = jnp.where(collectives.axis_index(TP) == 0, b, jnp.zeros_like(b))
+        return y + (b[slot] if slot is not None else b[:, None, :])
+
     def _gather(self, x, slot, held, w, k):
         xs = jnp.repeat(x, k, axis=0)                                           # [A, D], token-major
         h = jnp.einsum("ad,adf->af", xs, self._kernel("gate_up", slot), preferred_element_type=jnp.float32)
-        h = self._scaled(h, "gate_up", slot)
+        h = self._biased(self._scaled(h, "gate_up", slot), "gate_up", slot)
         o = jnp.einsum("af,afd->ad", self._swiglu(h), self._kernel("down", slot), preferred_element_type=jnp.float32)
-        o = self._scaled(o, "down", slot)
+        o = self._biased(self._scaled(o, "down", slot), "down", slot)
         return (o * w[:, None]).reshape(-1, k, o.shape[-1]).sum(axis=1)
 
     def _dense(self, x, slot, held, w, k):
@@ -208,9 +297,9 @@ class Experts(ParallelModule):
         xe = jnp.broadcast_to(x, (self.local_experts, *x.shape))               # batched form: XLA:CPU's
         h = jnp.einsum("emd,edf->emf", xe, self._kernel("gate_up"),          # (md,edf measured slower)
                        preferred_element_type=jnp.float32)
-        o = jnp.einsum("emf,efd->emd", self._swiglu(self._scaled(h, "gate_up")), self._kernel("down"),
-                       preferred_element_type=jnp.float32)
-        o = self._scaled(o, "down")
+        h = self._biased(self._scaled(h, "gate_up"), "gate_up")
+        o = jnp.einsum("emf,efd->emd", self._swiglu(h), self._kernel("down"), preferred_element_type=jnp.float32)
+        o = self._biased(self._scaled(o, "down"), "down")
         return jnp.einsum("emd,me->md", o, route)
 
     def _ragged(self, x, slot, held, w, k):
@@ -221,66 +310,124 @@ class Experts(ParallelModule):
         xs = x[tok]                                                             # [A, D], expert-sorted
         sorted_slot = jnp.where(held, slot, 0)[order]
         h = jax.lax.ragged_dot(xs, self._kernel("gate_up"), sizes, preferred_element_type=jnp.float32)
-        h = self._scaled(h, "gate_up", sorted_slot)
+        h = self._biased(self._scaled(h, "gate_up", sorted_slot), "gate_up", sorted_slot)
         o = jax.lax.ragged_dot(self._swiglu(h), self._kernel("down"), sizes, preferred_element_type=jnp.float32)
-        o = self._scaled(o, "down", sorted_slot)
+        o = self._biased(self._scaled(o, "down", sorted_slot), "down", sorted_slot)
         o = jnp.where(held[order][:, None], o, 0.0) * w[order][:, None]
         return jnp.zeros((x.shape[0], o.shape[-1]), jnp.float32).at[tok].add(o)
 
 
 class Router(ReplicatedLinear):
-    """The router W_r[E, D], replicated; `keep_float`: quantization leaves it float (as vLLM builds its gate
-    without a quant config), since a quantized logit can change which experts run."""
+    """The router W_r[E, D] (+ b_r[E], gpt-oss), replicated; `keep_float`: quantization leaves it float (as vLLM
+    builds its gate without a quant config), since a quantized logit can change which experts run."""
     keep_float = True
     switched = False                             # route() reads the kernel itself: a switched Stack indexes it
 
 
-class FusedMoE(nnx.Module):
-    """The MoE feed-forward block: router, top-k, experts (+ an optional gated shared expert).
+class FusedMoE(ParallelModule):
+    """The MoE feed-forward block: router, top-k, experts (+ an optional shared expert). See the module doc.
 
     Args:
       hidden_size D, intermediate_size F (one routed expert's), num_experts E, top_k.
-      renormalize: divide the top-k probabilities by their sum (Mixtral; Qwen's norm_topk_prob).
-      shared_intermediate_size: a dense shared expert of this width gated by sigmoid(x W_s)
-        (Qwen2-MoE), or None.
+      renormalize: divide the top-k weights by their sum (Mixtral; Qwen's and DeepSeek-V3's norm_topk_prob).
+      scoring: "softmax" or "sigmoid" (`SCORINGS`; DeepSeek-V3). router_bias: the router has a bias (gpt-oss).
+      correction_bias: a float32 `e_score_correction_bias[E]` added to the scores for the selection only
+        (DeepSeek-V3's aux-loss-free balancing).
+      n_group, topk_group, group_score: group-limited selection (None: off): the experts in n_group groups, the
+        topk_group best groups by `group_score` ("max", DeepSeek-V2; "top2_sum", V3) kept.
+      routed_scaling_factor: the routed experts' weights times this (DeepSeek).
+      shared_intermediate_size: a dense shared expert of this width, or None; shared_gate: gated by
+        sigmoid(x W_s) (Qwen2-MoE) or, False, added as is (DeepSeek's n_shared_experts, width F * n).
+      expert_bias, activation, swiglu_alpha, swiglu_limit, interleaved_gate_up: the experts' (`Experts`;
+        gpt-oss: True, "swigluoai", 1.702, 7.0, True).
       tp_size, dp_size: the mesh's tp and dp. expert_parallel: whole experts on the dp x tp ranks.
       dispatch: "auto", "gather", "ragged" or "dense" (see the module doc).
     Called on local tokens x[..., D] (dp-sharded, replicated over tp) -> y[..., D] the same way.
-    Submodules: `gate` (router `[E, D]`), `experts` (`Experts`), `shared_expert` (gate_up_proj,
-    down_proj) and `shared_expert_gate` `[1, D]`.
+    Submodules: `gate` (router `[E, D]`, `gate.bias` `[E]`), `experts` (`Experts`), `shared_expert` (gate_up_proj,
+    down_proj) and `shared_expert_gate` `[1, D]`; its own param `e_score_correction_bias` (part "weight" `[E]`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
-                 renormalize: bool, shared_intermediate_size: int | None = None, tp_size: int = 1,
-                 dp_size: int = 1, expert_parallel: bool = False, dispatch: str = "auto", dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 renormalize: bool, scoring: str = "softmax", router_bias: bool = False, correction_bias: bool = False,
+                 n_group: int | None = None, topk_group: int | None = None, group_score: str = "max",
+                 routed_scaling_factor: float = 1.0, shared_intermediate_size: int | None = None,
+                 shared_gate: bool = True, expert_bias: bool = False, activation: str = "silu",
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, interleaved_gate_up: bool = False,
+                 tp_size: int = 1, dp_size: int = 1, expert_parallel: bool = False, dispatch: str = "auto",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         name = type(self).__name__
         check_tp_size(tp_size, name)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"{name}: top_k={top_k} must be between 1 and num_experts={num_experts}.")
         if dispatch not in DISPATCHES:
             raise ValueError(f"{name}: dispatch={dispatch!r}; choose one of {DISPATCHES}.")
+        if scoring not in SCORINGS:
+            raise ValueError(f"{name}: scoring={scoring!r}; choose one of {SCORINGS}.")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{name}: activation={activation!r}; choose one of {ACTIVATIONS}.")
+        problem = routing_problem(num_experts, top_k, n_group, topk_group, group_score)
+        if problem:
+            raise ValueError(f"{name}: {problem}.")
         self.num_experts, self.top_k, self.renormalize, self.dispatch = num_experts, top_k, renormalize, dispatch
+        self.scoring, self.routed_scaling_factor = scoring, float(routed_scaling_factor)
+        grouped = n_group is not None and topk_group < n_group              # all groups kept: plain top-k
+        self.n_group, self.topk_group, self.group_score = (n_group, topk_group, group_score) if grouped else \
+            (None, None, group_score)
         self.tp_size, self.dp_size, self.expert_parallel = tp_size, dp_size, expert_parallel
-        self.gate = Router(hidden_size, num_experts, tp_size=tp_size, bias=False, dtype=dtype, rngs=rngs)
+        self.gate = Router(hidden_size, num_experts, tp_size=tp_size, bias=router_bias, dtype=dtype, rngs=rngs)
+        self.use_correction_bias = correction_bias
+        if correction_bias:
+            self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32),
+                                                     out_sharding=self.loading()["e_score_correction_bias"].spec())
         self.experts = Experts(num_experts, hidden_size, intermediate_size, tp_size=tp_size,
-                               ep_size=dp_size * tp_size if expert_parallel else None, dtype=dtype, rngs=rngs)
+                               ep_size=dp_size * tp_size if expert_parallel else None, bias=expert_bias,
+                               activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                               interleaved=interleaved_gate_up, dtype=dtype, rngs=rngs)
         shared = gate = None
         if shared_intermediate_size:
             shared = SharedExpert(hidden_size, shared_intermediate_size, tp_size, dtype, rngs)
-            gate = ReplicatedLinear(hidden_size, 1, tp_size=tp_size, bias=False, dtype=dtype, rngs=rngs)
+            if shared_gate:
+                gate = ReplicatedLinear(hidden_size, 1, tp_size=tp_size, bias=False, dtype=dtype, rngs=rngs)
         self.shared_expert, self.shared_expert_gate = nnx.data(shared), nnx.data(gate)
 
+    def loading(self) -> dict[str, ShardedParam]:
+        """The block's own param: `e_score_correction_bias` (part "weight" `[E]`, float32, every rank), if any."""
+        if not self.use_correction_bias:
+            return {}
+        return {"e_score_correction_bias": ShardedParam({"weight": PartRows((self.num_experts,))}, split=None)}
+
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x[M, D] -> (experts[M, k] int32, weights[M, k] float32): softmax over float32 logits, top-k."""
+        """x[M, D] -> (experts[M, k] int32, weights[M, k] float32): scores of float32 logits, (grouped) top-k."""
         if isinstance(self.gate.method, Unquantized):
             logits = jnp.dot(x, self.gate.kernel[...], preferred_element_type=jnp.float32)
         else:
             logits = self.gate.method.apply(self.gate, x).astype(jnp.float32)
-        weights, experts = jax.lax.top_k(row_softmax(logits), self.top_k)
+        if self.gate.bias is not None:
+            logits = logits + self.gate.bias[...].astype(jnp.float32)
+        scores = row_softmax(logits) if self.scoring == "softmax" else jax.nn.sigmoid(logits)
+        if not self.use_correction_bias and self.n_group is None:
+            weights, experts = jax.lax.top_k(scores, self.top_k)
+        else:
+            choice = scores + self.e_score_correction_bias[...] if self.use_correction_bias else scores
+            _, experts = jax.lax.top_k(self._kept_groups(choice), self.top_k)
+            weights = jnp.take_along_axis(scores, experts, axis=-1)              # the un-biased scores
         if self.renormalize:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+            total = jnp.sum(weights, axis=-1, keepdims=True)
+            weights = weights / (total + 1e-20 if self.scoring == "sigmoid" else total)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         return experts.astype(jnp.int32), weights
+
+    def _kept_groups(self, choice: jax.Array) -> jax.Array:
+        """choice[M, E] with -inf outside each row's `topk_group` best groups (all kept without groups)."""
+        if self.n_group is None:
+            return choice
+        m, size = choice.shape[0], self.num_experts // self.n_group
+        grouped = choice.reshape(m, self.n_group, size)
+        score = grouped.max(axis=-1) if self.group_score == "max" else jnp.sum(jax.lax.top_k(grouped, 2)[0], -1)
+        _, best = jax.lax.top_k(score, self.topk_group)                         # [M, topk_group]
+        keep = jnp.any(best[:, :, None] == jnp.arange(self.n_group), axis=1)    # [M, G]
+        return jnp.where(jnp.repeat(keep, size, axis=-1), choice, -jnp.inf)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         shape, dtype = x.shape, x.dtype
@@ -292,14 +439,17 @@ class FusedMoE(nnx.Module):
         if ep_gather:
             y = collectives.reduce_scatter(y, DP, dim=0)                         # back to this replica's rows
         if self.shared_expert is not None:
-            gate = jax.nn.sigmoid(self.shared_expert_gate(t).astype(jnp.float32))
-            y = y + gate * self.shared_expert(t).astype(jnp.float32)           # partial over tp: same psum
+            shared = self.shared_expert(t).astype(jnp.float32)                 # partial over tp: same psum
+            if self.shared_expert_gate is not None:
+                shared = jax.nn.sigmoid(self.shared_expert_gate(t).astype(jnp.float32)) * shared
+            y = y + shared
         y = collectives.all_reduce(y, TP)
         return y.astype(dtype).reshape(shape)
 
 
 class SharedExpert(nnx.Module):
-    """Qwen2-MoE's shared expert: a SwiGLU MLP split over tp whose partial sum joins the routed experts'."""
+    """The shared expert (Qwen2-MoE's, DeepSeek's): a SwiGLU MLP split over tp whose partial sum joins the routed
+    experts'."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp_size: int, dtype, rngs: nnx.Rngs):
         size = intermediate_size
@@ -313,4 +463,5 @@ class SharedExpert(nnx.Module):
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
-__all__ = ["FusedMoE", "Experts", "SharedExpert", "expert_slots", "DISPATCHES"]
+__all__ = ["FusedMoE", "Experts", "SharedExpert", "expert_slots", "routing_problem", "DISPATCHES", "SCORINGS",
+           "GROUP_SCORES", "ACTIVATIONS"]

@@ -54,13 +54,14 @@ def soft_cap(scores: jax.Array, cap: float | None) -> jax.Array:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
               scale: float, window=None, heads_first: bool = False, dot_dtype=None,
-              softcap: float | None = None) -> jax.Array:
-    """softmax(q k^T * scale + mask) v -> [B, T, Hq * hd]; q_pos[B, T], k_pos[S] or [B, S].
+              softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
+    """softmax(q k^T * scale + mask) v -> [B, T, Hq * hv]; q_pos[B, T], k_pos[S] or [B, S].
 
-    k/v[B, S, Hkv, hd], or with `heads_first` [B, Hkv, S, hd] (the pool's rows): the layout both
-    dots batch over, so XLA feeds them k and v as they are (no transpose of S rows, only of q,
-    the scores and the T output rows). `dot_dtype` (e.g. bfloat16): both dots' operands rounded to
-    it, float32 accumulation and output (the softmax stays float32).
+    k[B, S, Hkv, hd] and v[B, S, Hkv, hv] (hv may differ from hd: MLA), or with `heads_first` [B, Hkv, S, .]
+    (the pool's rows): the layout both dots batch over, so XLA feeds them k and v as they are (no transpose
+    of S rows, only of q, the scores and the T output rows). `dot_dtype` (e.g. bfloat16): both dots' operands
+    rounded to it, float32 accumulation and output (the softmax stays float32). `sinks[Hq]`: gpt-oss's learned
+    per-head logit, one more term exp(sink) in each softmax denominator (a key with no value).
     """
     cast = (lambda x: x) if dot_dtype is None else (lambda x: x.astype(dot_dtype))
     b, t, hq, hd = q.shape
@@ -74,13 +75,22 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     if window is not None:
         allowed &= k_pos[:, None, :] > q_pos[:, :, None] - window
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    else:                                                # the sink: one more logit per head, then dropped
+        sink = jnp.broadcast_to(_head_sinks(sinks, hkv)[None, :, :, None, None], scores.shape[:-1] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
     wide = {} if dot_dtype is None else {"preferred_element_type": jnp.float32}
     if heads_first:
         out = jnp.einsum("bkgts,bksd->bkgtd", cast(probs), cast(v), **wide).transpose(0, 3, 1, 2, 4)
     else:
         out = jnp.einsum("bkgts,bskd->btkgd", cast(probs), cast(v), **wide)
-    return out.reshape(b, t, hq * hd)
+    return out.reshape(b, t, hq * v.shape[-1])
+
+
+def _head_sinks(sinks: jax.Array, hkv: int) -> jax.Array:
+    """sinks[Hq] (local query heads) -> [Hkv, G] float32, the grouping of the scores."""
+    return sinks.astype(jnp.float32).reshape(hkv, -1)
 
 
 def write_pool(pool: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
@@ -105,7 +115,8 @@ def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array) -> jax.Arr
 
 
 def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
-                 batch, scale: float, window, dot_dtype=None, softcap: float | None = None) -> jax.Array:
+                 batch, scale: float, window, dot_dtype=None, softcap: float | None = None,
+                 sinks: jax.Array | None = None, v_dim: int | None = None) -> jax.Array:
     """The D decode rows' attention -> [D, Hq * hd], split-K over the batch's chunks (flash-decoding).
 
     Each chunk (a virtual row: `chunk_tables`, `chunk_row`, `chunk_start`) attends its row's query to
@@ -113,14 +124,16 @@ def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
     unnormalized output o. A row combines its chunks with M = max m: out = sum(o e^(m-M)) / sum(l e^(m-M)).
     Only a row's used blocks are read, not its bucketed table width.
     A chunk with no visible key (padding, or wholly outside a sliding window) has m = -inf and weight 0.
-    `dot_dtype`: both dots' operands rounded to it, float32 accumulation (as in `attention`)."""
+    `dot_dtype`: both dots' operands rounded to it, float32 accumulation (as in `attention`). `sinks[Hq]`: one
+    more exp(sink - M) in each row's denominator. `v_dim`: the values are the first v_dim channels of the keys
+    (MLA's latent cache; `v_pool` is not read)."""
     cast = (lambda x: x) if dot_dtype is None else (lambda x: x.astype(dot_dtype))
     d, rv = batch.decode_tables.shape[0], batch.chunk_tables.shape[0]
     hq, hd = q.shape[1:]
     hkv = k_pool.shape[1]
     row = batch.chunk_row
     k = gather_rows(k_pool, layer, batch.chunk_tables)                          # [Rv, Hkv, S, hd]
-    v = gather_rows(v_pool, layer, batch.chunk_tables)
+    v = k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, batch.chunk_tables)
     q_rows = jnp.take(q[:d], row, axis=0, mode="fill", fill_value=0).reshape(rv, hkv, hq // hkv, hd)
     q_pos = jnp.take(positions[:d], row, axis=0, mode="fill", fill_value=-1)    # padding sees no key
     k_pos = batch.chunk_start[:, None] + jnp.arange(k.shape[2])                 # [Rv, S]
@@ -135,10 +148,14 @@ def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
     p = jnp.exp(scores - jnp.where(seen, m, 0)[..., None])
     o = jnp.einsum("rkgs,rksd->rkgd", cast(p), cast(v), preferred_element_type=jnp.float32)
     top = jax.ops.segment_max(m, row, num_segments=d + 1, indices_are_sorted=True)
+    if sinks is not None:
+        top = jnp.maximum(top, _head_sinks(sinks, hkv))
     w = jnp.where(seen, jnp.exp(m - top[row]), 0.0)
     num = jax.ops.segment_sum(o * w[..., None], row, num_segments=d + 1, indices_are_sorted=True)[:d]
     den = jax.ops.segment_sum(p.sum(-1) * w, row, num_segments=d + 1, indices_are_sorted=True)[:d]
-    return (num / den[..., None]).reshape(d, hq * hd).astype(q.dtype)
+    if sinks is not None:
+        den = den + jnp.exp(_head_sinks(sinks, hkv) - top[:d])
+    return (num / den[..., None]).reshape(d, hq * v.shape[-1]).astype(q.dtype)
 
 
 FULL_WINDOW = 1 << 30   # a per-layer window table's entry for a global layer: every earlier key is seen
@@ -147,7 +164,8 @@ KEY_CHUNK = 32          # keys per softmax partial in `chunked_attention` (a fix
 
 
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float,
-                      window=None, dot_dtype=None, softcap: float | None = None) -> jax.Array:
+                      window=None, dot_dtype=None, softcap: float | None = None,
+                      sinks: jax.Array | None = None) -> jax.Array:
     """Rows attending their own context, batch-invariantly: q[R, T, Hq, hd] at positions q_pos[R, T] over
     k/v[R, Hkv, S, hd] (the row's positions 0..S-1, heads-first as `gather_rows` gives them) -> [R, T, Hq * hd].
 
@@ -158,15 +176,16 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     nothing, bit for bit, so a query's numbers depend on its own row's keys alone, never on the width the
     step's longest row gives S, nor on the other rows or queries of the step (XLA:CPU's batched dots of a
     fixed per-batch shape sum alike whatever the batch: tests/test_paged_attention.py).
-    `dot_dtype`: both dots' operands rounded to it, float32 accumulation."""
+    `dot_dtype`: both dots' operands rounded to it, float32 accumulation. v[R, Hkv, S, hv] may be narrower than
+    k (MLA). `sinks[Hq]`: the combine starts from the sink, a partial with m = sink, l = 1 and o = 0."""
     cast = (lambda x: x) if dot_dtype is None else (lambda x: x.astype(dot_dtype))
     r, t, hq, hd = q.shape
     hkv, s = k.shape[1], k.shape[2]
     if s % KEY_CHUNK:                                         # pad to whole chunks: the padding is never seen
         pad = ((0, 0), (0, 0), (0, KEY_CHUNK - s % KEY_CHUNK), (0, 0))
         k, v, s = jnp.pad(k, pad), jnp.pad(v, pad), s + KEY_CHUNK - s % KEY_CHUNK
-    c, g = s // KEY_CHUNK, hq // hkv
-    kc, vc = (x.reshape(r, hkv, c, KEY_CHUNK, hd) for x in (k, v))
+    c, g, hv = s // KEY_CHUNK, hq // hkv, v.shape[-1]
+    kc, vc = k.reshape(r, hkv, c, KEY_CHUNK, hd), v.reshape(r, hkv, c, KEY_CHUNK, hv)
     qg = q.reshape(r, t, hkv, g, hd)
     qc = jnp.broadcast_to(qg.transpose(0, 2, 3, 1, 4)[:, :, None], (r, hkv, c, g, t, hd))   # c a batch dim of
     scores = soft_cap(jnp.einsum("rkcgtd,rkcsd->rkcgts", cast(qc), cast(kc),         # both dots: each chunk's
@@ -187,45 +206,53 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
         a, b = jnp.exp(m0 - base), jnp.exp(m1 - base)
         return (top, l0 * a + l1 * b, o0 * a[..., None] + o1 * b[..., None]), None
 
-    first = (jnp.full(m.shape[:2] + m.shape[3:], -jnp.inf), jnp.zeros(m.shape[:2] + m.shape[3:]),
-             jnp.zeros(o.shape[:2] + o.shape[3:]))
+    stats = m.shape[:2] + m.shape[3:]                                                # [R, Hkv, G, T]
+    first = (jnp.full(stats, -jnp.inf), jnp.zeros(stats), jnp.zeros(o.shape[:2] + o.shape[3:]))
+    if sinks is not None:
+        first = (jnp.broadcast_to(_head_sinks(sinks, hkv)[None, :, :, None], stats), jnp.ones(stats), first[2])
     (_, l, o), _ = jax.lax.scan(combine, first, (jnp.moveaxis(m, 2, 0), jnp.moveaxis(row_sum(p), 2, 0),
                                                  jnp.moveaxis(o, 2, 0)))
-    out = o / jnp.where(l > 0, l, 1)[..., None]                                     # [R, Hkv, G, T, hd]
-    return out.transpose(0, 3, 1, 2, 4).reshape(r, t, hq * hd).astype(q.dtype)
+    out = o / jnp.where(l > 0, l, 1)[..., None]                                     # [R, Hkv, G, T, hv]
+    return out.transpose(0, 3, 1, 2, 4).reshape(r, t, hq * hv).astype(q.dtype)
 
 
 def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
-                    batch, scale: float, window, softcap: float | None = None) -> jax.Array:
+                    batch, scale: float, window, softcap: float | None = None, sinks: jax.Array | None = None,
+                    v_dim: int | None = None) -> jax.Array:
     """q[N, Hq, hd] (decode rows first, then packed prefill tokens) over the pool -> [N, Hq * hd], float32.
 
     `batch`: one micro-batch's PagedBatch (tp_jax/models/cache.py); prefill_index[P, T] the flat token of each
     prefill row slot (N for padding). Every row reads its whole block table, attended in fixed-size key
-    chunks (`chunked_attention`): a row's numbers never depend on the rest of the step.
+    chunks (`chunked_attention`): a row's numbers never depend on the rest of the step. `sinks[Hq]`: gpt-oss's
+    per-head sink logits; `v_dim`: the values are the keys' first v_dim channels (MLA's latent pool, v_pool unread).
     """
     return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
-                  functools.partial(_chunked, softcap=softcap))
+                  functools.partial(_chunked, softcap=softcap, sinks=sinks), v_dim=v_dim)
 
 
-def _chunked(q, k, v, q_pos, k_pos, scale, window, softcap=None):
+def _chunked(q, k, v, q_pos, k_pos, scale, window, softcap=None, sinks=None):
     """`chunked_attention` with `attention`'s signature (k_pos: the pool rows' positions 0..S-1)."""
-    return chunked_attention(q, k, v, q_pos, scale, window, softcap=softcap)
+    return chunked_attention(q, k, v, q_pos, scale, window, softcap=softcap, sinks=sinks)
 
 
-def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn, decode_fn=None):
+def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn, decode_fn=None, v_dim=None):
     d, p = batch.decode_tables.shape[0], batch.prefill_tables.shape[0]
     n, hq, hd = q.shape
-    out = jnp.zeros((n, hq * hd), q.dtype)
+    hv = hd if v_dim is None else v_dim
+
+    def gather(tables):
+        k = gather_rows(k_pool, layer, tables)
+        return k, (k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, tables))
+
+    out = jnp.zeros((n, hq * hv), q.dtype)
     if d and decode_fn is not None and batch.chunk_tables.shape[0]:          # no chunks: short tables, full width
         out = out.at[:d].set(decode_fn(q, k_pool, v_pool, layer, positions, batch, scale, window))
     elif d:
-        k = gather_rows(k_pool, layer, batch.decode_tables)
-        v = gather_rows(v_pool, layer, batch.decode_tables)
+        k, v = gather(batch.decode_tables)
         dec = attend_fn(q[:d, None], k, v, positions[:d, None], jnp.arange(k.shape[2]), scale, window)[:, 0]
         out = out.at[:d].set(dec)
     if p:
-        k = gather_rows(k_pool, layer, batch.prefill_tables)
-        v = gather_rows(v_pool, layer, batch.prefill_tables)
+        k, v = gather(batch.prefill_tables)
         q_rows = jnp.take(q, batch.prefill_index, axis=0, mode="fill", fill_value=0)          # [P, T, Hq, hd]
         pos_rows = jnp.take(positions, batch.prefill_index, axis=0, mode="fill", fill_value=0)
         pre = attend_fn(q_rows, k, v, pos_rows, jnp.arange(k.shape[2]), scale, window)  # [P, T, Hq * hd]
@@ -233,34 +260,42 @@ def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn,
     return out
 
 
-def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=None):
+def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=None, sinks=None, v_dim=None):
     """`paged_reference` with the decode rows split-K (`split_decode`) and both dots' operands in bfloat16,
     float32 accumulation: on a CPU with AMX XLA's batched bf16 dots run ~3x its float32 ones."""
     return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
-                  functools.partial(attention, heads_first=True, dot_dtype=jnp.bfloat16, softcap=softcap),
-                  functools.partial(split_decode, dot_dtype=jnp.bfloat16, softcap=softcap))
+                  functools.partial(attention, heads_first=True, dot_dtype=jnp.bfloat16, softcap=softcap,
+                                    sinks=sinks),
+                  functools.partial(split_decode, dot_dtype=jnp.bfloat16, softcap=softcap, sinks=sinks,
+                                    v_dim=v_dim), v_dim=v_dim)
 
 
 PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "bf16": paged_bf16}
 SPLIT_K_BACKENDS = frozenset({"bf16"})     # they read the decode chunks (build_batch(split_k=True))
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache=None, *, scale: float,
-           window=None, softcap: float | None = None):
+def attend(q: jax.Array, k: jax.Array, v: jax.Array | None, positions: jax.Array, cache=None, *, scale: float,
+           window=None, softcap: float | None = None, sinks: jax.Array | None = None, v_dim: int | None = None):
     """Attention of q[B, T, Hq, hd] over k/v[B, T, Hkv, hd] (cache None) or over the paged pool.
 
-    Returns (out[B, T, Hq * hd], cache), the cache with this step's k and v written. `window`: None, an int,
+    Returns (out[B, T, Hq * hv], cache), the cache with this step's k and v written. `window`: None, an int,
     or a traced int32 (a layer's own window in a stack whose layers differ; `FULL_WINDOW`: none).
-    `softcap`: Gemma 2's attention logit soft-capping (`soft_cap`), passed to the backend only when set.
+    `softcap`: Gemma 2's attention logit soft-capping (`soft_cap`); `sinks[Hq]`: gpt-oss's per-head sink logits;
+    `v_dim`: v is None and the values are k's first v_dim channels (MLA's latent: only k is cached). Each is
+    passed to the backend only when set, so a backend without it still registers.
     """
+    if v_dim is not None:
+        v = k[..., :v_dim]
     if cache is None:
-        return attention(q, k, v, positions, positions, scale, window, softcap=softcap), None
+        return attention(q, k, v, positions, positions, scale, window, softcap=softcap, sinks=sinks), None
     impl = PAGED_BACKENDS[cache.backend]
     batch = cache.batch
     k_pool, v_pool, outs = cache.k, cache.v, []
-    capped = {} if softcap is None else {"softcap": softcap}    # a backend without soft-capping still registers
+    extra = {name: value for name, value in (("softcap", softcap), ("sinks", sinks), ("v_dim", v_dim))
+             if value is not None}
     for b in range(q.shape[0]):                    # B is 1 inside the pipeline (one micro-batch)
         k_pool = write_pool(k_pool, cache.layer, batch.slots[b], k[b])
-        v_pool = write_pool(v_pool, cache.layer, batch.slots[b], v[b])
-        outs.append(impl(q[b], k_pool, v_pool, cache.layer, positions[b], batch.row(b), scale, window, **capped))
+        if v_dim is None:
+            v_pool = write_pool(v_pool, cache.layer, batch.slots[b], v[b])
+        outs.append(impl(q[b], k_pool, v_pool, cache.layer, positions[b], batch.row(b), scale, window, **extra))
     return jnp.stack(outs), cache.replace(k=k_pool, v=v_pool)

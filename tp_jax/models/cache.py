@@ -38,15 +38,27 @@ from tp_jax.parallel.pipeline import run_pipeline
 
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
-    """The pool a model needs: [num_layers, kv_heads, blocks, block_size, head_dim] for k and for v.
+    """The pool a model needs: [num_layers, kv_heads, blocks, block_size, head_dim] for k, and v_head_dim for v.
 
     num_layers counts the stacked slots (padded for pp); kv_heads is global (tp * kv_local,
     from the head plan), so the pool shards on tp exactly like the model's KV heads.
+    v_head_dim: None = head_dim; 0 = no value pool (MLA caches one latent per token as its k: kv_heads = tp,
+    one copy per tp rank).
     """
     num_layers: int
     kv_heads: int
     head_dim: int
     dtype: np.dtype
+    v_head_dim: int | None = None
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    def bytes_per_token(self, pp: int = 1, tp: int = 1) -> int:
+        """K + V bytes one token takes on one device (its pp stage's layers, its tp share of the heads)."""
+        return ((self.num_layers // pp) * (self.kv_heads // tp) * (self.head_dim + self.value_dim)
+                * np.dtype(self.dtype).itemsize)
 
 
 def _pytree(data: tuple[str, ...], meta: tuple[str, ...] = ()):

@@ -153,6 +153,8 @@ class CausalLM(nnx.Module):
         return self.model.layer_map
 
     def kv_layout(self) -> KVLayout:
+        if self.config.mla is not None:           # one latent per token, cached on every tp rank, no values
+            return KVLayout(len(self.layer_map), self.tp_size, self.config.mla.latent_dim, self.dtype, v_head_dim=0)
         plan = plan_heads(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
         return KVLayout(len(self.layer_map), plan.padded_kv_heads, self.config.head_dim, self.dtype)
 

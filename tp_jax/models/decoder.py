@@ -11,7 +11,7 @@
                                                                   `qk_norm_full`: over all heads (OLMo 2),
                                                                   one tp all-reduce of their statistics
                    q, k = rope(q), rope(k)                        if `rope` is not None (not GPT-2)
-                   o_proj(attend(q, k, v, window, softcap))       row (all-reduce)
+                   o_proj(attend(q, k, v, window, softcap, sinks))  row (all-reduce); sinks: gpt-oss
 
 Layers of one stack may differ in value (`layer_types`): a layer's window and rotary frequencies are
 rows of static per-layer tables, indexed by the layer's index (a traced int the stack passes in), so
@@ -42,10 +42,12 @@ from flax import nnx
 from tp_jax.models.attention import FULL_WINDOW, attend
 from tp_jax.models.cache import LayerCache
 from tp_jax.models.config import ModelConfig
+from tp_jax.models.mla import MLAConfig, MLAttention
 from tp_jax.models.rope import RopeConfig, apply_rope, for_context, inv_freq
 from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
 from tp_jax.parallel.layers.norm import GemmaRMSNorm, QKNorm, RMSNorm
+from tp_jax.parallel.layers.qkv import AttentionSinks
 
 # config `norm` -> the replicated norm layer (LayerNorm carries a bias, as GPT-2's does; "gemma_rms" scales
 # by 1 + w in float32).
@@ -90,6 +92,9 @@ class DecoderConfig(ModelConfig):
       attn_softcap, final_softcap: tanh soft-capping of the attention scores and of the logits (None: none).
       norm_placement: a `NORM_PLACEMENTS` name, which norms a layer has and where.
       embed_scale: the token embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype.
+      attention_sinks: a learned logit per query head joins each softmax's denominator (gpt-oss).
+      mla: DeepSeek's multi-head latent attention (`MLAConfig`, tp_jax/models/mla.py) in place of the QKV
+        attention; `head_dim` is then the q/k head width (nope + rope).
       ff_kinds: None (every layer's feed-forward is `feed_forward`), or a `FEED_FORWARDS` name per layer (a
         Qwen MoE stack with dense layers): each kind's layers are their own stack (tp_jax/models/causal_lm.py).
     """
@@ -115,6 +120,8 @@ class DecoderConfig(ModelConfig):
     norm_placement: str = "pre"
     embed_scale: bool = False
     ff_kinds: tuple[str, ...] | None = None
+    attention_sinks: bool = False
+    mla: MLAConfig | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -196,6 +203,7 @@ class Attention(nnx.Module):
         self.scale = hd ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.window, self.layer_windows = cfg.sliding_window, cfg.layer_windows()
         self.softcap = cfg.attn_softcap
+        self.sinks = AttentionSinks(self.qkv_proj.plan, dtype=dtype, rngs=rngs) if cfg.attention_sinks else None
 
     def __call__(self, x, positions, cache: LayerCache | None, layer: jax.Array | None = None):
         """`layer`: this layer's index in the model (a traced int32), read only when the layers differ."""
@@ -213,7 +221,9 @@ class Attention(nnx.Module):
         window = self.window
         if self.layer_windows is not None:
             window = jnp.asarray(np.asarray(self.layer_windows, np.int32))[layer]
-        out, cache = attend(q, k, v, positions, cache, scale=self.scale, window=window, softcap=self.softcap)
+        sinks = None if self.sinks is None else self.sinks()
+        out, cache = attend(q, k, v, positions, cache, scale=self.scale, window=window, softcap=self.softcap,
+                            sinks=sinks)
         return self.o_proj(out), cache
 
 
@@ -255,7 +265,7 @@ class DecoderLayer(nnx.Module):
         self.placement = cfg.norm_placement
         for name in NORM_PLACEMENTS[cfg.norm_placement]:
             setattr(self, name, make_norm(cfg, cfg.hidden_size, tp, dtype, rngs))
-        self.self_attn = Attention(cfg, tp, dtype, rngs)
+        self.self_attn = (Attention if cfg.mla is None else MLAttention)(cfg, tp, dtype, rngs)
         self.mlp = FEED_FORWARDS[cfg.feed_forward](cfg, tp, dtype, rngs) if cfg.ff_kinds is None else None
 
     def __call__(self, h, positions, cache: LayerCache | None, layer: jax.Array | None = None, mlp=None):

@@ -51,9 +51,15 @@ class PoolShape:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The k pool's global shape."""
         dp = self.mesh_shape[0]
         return (self.layout.num_layers, self.layout.kv_heads, dp * self.num_blocks, self.block_size,
                 self.layout.head_dim)
+
+    @property
+    def v_shape(self) -> tuple[int, ...]:
+        """The v pool's global shape (last axis 0 for MLA: its values are the keys' first channels)."""
+        return self.shape[:-1] + (self.layout.value_dim,)
 
     @property
     def tokens(self) -> int:
@@ -72,8 +78,7 @@ class PoolShape:
 def block_bytes_per_device(layout: KVLayout, block_size: int, mesh_shape: tuple[int, int, int]) -> int:
     """K + V bytes of one block on one device (its layers and kv heads)."""
     _, pp, tp = mesh_shape
-    return (2 * (layout.num_layers // pp) * block_size * (layout.kv_heads // tp) * layout.head_dim
-            * np.dtype(layout.dtype).itemsize)
+    return block_size * layout.bytes_per_token(pp, tp)
 
 
 def default_budget_bytes(mesh: Mesh, gpu_memory_utilization: float) -> int:
@@ -131,5 +136,6 @@ def plan_pool(layout: KVLayout, mesh: Mesh, *, block_size: int, max_model_len: i
 def new_pool(shape: PoolShape, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
     """Zeroed (k, v), allocated directly on the devices in their shards (finite: masked reads stay exact)."""
     sharding = NamedSharding(mesh, POOL_SPEC)
-    zeros = jax.jit(lambda: jnp.zeros(shape.shape, shape.layout.dtype), out_shardings=sharding)
-    return zeros(), zeros()
+    k = jax.jit(lambda: jnp.zeros(shape.shape, shape.layout.dtype), out_shardings=sharding)
+    v = jax.jit(lambda: jnp.zeros(shape.v_shape, shape.layout.dtype), out_shardings=sharding)
+    return k(), v()

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tp_jax.parallel.heads import HeadPlan, plan_heads
+from tp_jax.parallel.layers.base import ParallelModule
 from tp_jax.parallel.layers.linear import ColumnParallelLinear
 from tp_jax.parallel.layers.loading import PartRows, ShardedParam, expand_heads
 from tp_jax.parallel.layers.method import LinearMethod
@@ -60,3 +61,23 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return self.split(super().__call__(x))
+
+
+class AttentionSinks(ParallelModule):
+    """gpt-oss's attention sinks: one learned logit per query head, laid out by the head plan like the q rows.
+
+    `weight[tp * q_local]` split over tp: rank r holds the sinks of its query slots (0 for a padded slot, whose
+    q and o_proj rows are zero anyway). Checkpoint part: "weight" `[num_heads]`. Called -> this rank's [q_local].
+    """
+
+    def __init__(self, plan: HeadPlan, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.plan, self.tp_size = plan, plan.tp
+        self.weight = nnx.Param(jnp.zeros((plan.tp * plan.q_local,), dtype),
+                                out_sharding=self.loading()["weight"].spec())
+
+    def loading(self):
+        return {"weight": ShardedParam({"weight": PartRows((self.plan.num_heads,), expand_heads(self.plan.q_heads, 1))},
+                                       split=0)}
+
+    def __call__(self) -> jax.Array:
+        return self.weight[...]

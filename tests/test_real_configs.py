@@ -114,9 +114,13 @@ def test_published_config_loads_and_builds_at_tp8(name, tmp_path):
     path = model_dir(tmp_path, published(name))
     cfg = load_config(path)
     hf = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):                        # a vision-language checkpoint: its text model's params
-        expected = sum(p.numel() for n, p in AutoModelForCausalLM.from_config(hf).named_parameters()
-                       if "language_model" in n or not hasattr(hf, "text_config"))
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf)
+    # the checkpoint's tensors: params and persistent buffers (DeepSeek-V3's e_score_correction_bias is a buffer
+    # there, a param here); a vision-language checkpoint: its text model's
+    stored = set(hf_model.state_dict())
+    expected = sum(p.numel() for n, p in [*hf_model.named_parameters(), *hf_model.named_buffers()]
+                   if n in stored and ("language_model" in n or not hasattr(hf, "text_config")))
     hf = getattr(hf, "text_config", hf)
     one = make_mesh(tp=1, devices=jax.devices()[:1])
     single = abstract_model(cfg, one, dtype=jax.numpy.bfloat16)

@@ -24,8 +24,9 @@ from tp_jax.serving.batch import split_decode_rows
 BS, NB, HKV, G, HD = 4, 24, 2, 3, 8
 
 
-def np_attention(q, k, v, q_pos, scale, window=None):
-    """q[T, Hq, hd] at positions q_pos over k/v[S, Hkv, hd] at positions 0..S-1, causal."""
+def np_attention(q, k, v, q_pos, scale, window=None, sinks=None):
+    """q[T, Hq, hd] at positions q_pos over k/v[S, Hkv, hd] at positions 0..S-1, causal; `sinks[Hq]`: one more
+    logit per head in the softmax (gpt-oss), a key without a value."""
     hq = q.shape[1]
     kk = np.repeat(k, hq // k.shape[1], axis=1)
     vv = np.repeat(v, hq // v.shape[1], axis=1)
@@ -35,8 +36,10 @@ def np_attention(q, k, v, q_pos, scale, window=None):
     if window is not None:
         allowed &= kpos[None] > q_pos[:, None] - window
     s = np.where(allowed[None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
+    sink = np.full((hq, 1, 1), -np.inf) if sinks is None else np.asarray(sinks, np.float64)[:, None, None]
+    top = np.maximum(s.max(-1, keepdims=True), sink)
+    p = np.exp(s - top)
+    p /= p.sum(-1, keepdims=True) + np.exp(sink - top)
     return np.einsum("hts,shd->thd", p, vv).reshape(len(q), -1)
 
 
@@ -81,10 +84,12 @@ TOLERANCE = {"reference": dict(atol=2e-5, rtol=1e-5), "split_f32": dict(atol=2e-
              "bf16": dict(atol=3e-2, rtol=0)}      # bf16: operands rounded to 8 bits (|out| <~ 2 here)
 
 
-def split_f32(q, k_pool, v_pool, layer, positions, batch, scale, window):
+def split_f32(q, k_pool, v_pool, layer, positions, batch, scale, window, sinks=None, v_dim=None):
     """The bf16 backend's split-K decode in float32: the combine's own check, exact within float32 rounding."""
+    import functools
     from tp_jax.models.attention import _chunked, _paged, split_decode
-    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, _chunked, split_decode)
+    return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, functools.partial(_chunked, sinks=sinks),
+                  functools.partial(split_decode, sinks=sinks, v_dim=v_dim), v_dim=v_dim)
 
 
 @pytest.fixture(autouse=True)
@@ -129,6 +134,36 @@ def test_paged_equals_per_sequence_attention(rows, width, chunk_blocks, window, 
             written[b, o] = True
     np.testing.assert_array_equal(kp[0][:, ~written], k_pool[0][:, ~written])     # padding wrote nothing
     np.testing.assert_array_equal(vp[0][:, ~written], v_pool[0][:, ~written])
+
+
+@pytest.mark.parametrize("backend", ["reference", "split_f32", "bf16"])
+@pytest.mark.parametrize("kind", ["sinks", "latent"])
+def test_sinks_and_latent_values(backend, kind):
+    """gpt-oss's sinks (with a window, as its sliding layers have) and MLA's latent pool (values = the keys' first
+    v_dim channels, no value pool read or written) on a step mixing decode rows, split-K chunks and prefill rows."""
+    rows = [(12, 1), (40, 1), (0, 16), (2, 9)]
+    rng = np.random.default_rng(11)
+    k_pool, v_pool, q, k_new, v_new, pos, batch, spans = make_case(rng, rows, 16, None, 2)
+    sinks = rng.standard_normal(HKV * G).astype(np.float32) if kind == "sinks" else None
+    window, v_dim = (5, None) if kind == "sinks" else (None, HD // 2)
+    scale = HD ** -0.5
+    cache = LayerCache(jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.int32(0), batch, backend)
+    run = jax.jit(lambda q, k, v, p, c: attend(q, k, v, p, c, scale=scale, window=window,
+                                               sinks=None if sinks is None else jnp.asarray(sinks), v_dim=v_dim))
+    out, cache = run(q[None], k_new[None], None if v_dim else v_new[None], pos[None], cache)
+    out = np.asarray(out[0])
+    if v_dim:
+        np.testing.assert_array_equal(np.asarray(cache.v), v_pool)                    # the value pool untouched
+    for off, new, blocks, ctx in spans:
+        keys = np.concatenate([k_pool[0, :, b].swapaxes(0, 1) for b in blocks])[:ctx]
+        vals = np.concatenate([v_pool[0, :, b].swapaxes(0, 1) for b in blocks])[:ctx]
+        keys = np.concatenate([keys, k_new[off:off + new]])
+        vals = keys[..., :v_dim] if v_dim else np.concatenate([vals, v_new[off:off + new]])
+        ref = np_attention(q[off:off + new], keys, vals, pos[off:off + new], scale, window, sinks)
+        np.testing.assert_allclose(out[off:off + new], ref, **TOLERANCE[backend])
+        if sinks is not None:                                                 # the sinks change every row's output
+            assert np.abs(np_attention(q[off:off + new], keys, vals, pos[off:off + new], scale, window)
+                          - ref).max() > 1e-2
 
 
 def test_write_pool_drops_negative_slots():

@@ -1,8 +1,10 @@
-"""Published quantized safetensors checkpoints (GPTQ, AWQ, FP8, compressed-tensors) as lazy weights.
+"""Published quantized safetensors checkpoints (GPTQ, AWQ, FP8, compressed-tensors; MXFP4) as lazy weights.
 
     PackedSource(source, quant)   -> the checkpoint's tensors, each quantized Linear's stored parts
                                      (`qweight`, `qzeros`, `scales`, `g_idx`; `weight_packed`, ...) seen as
-                                     one `PackedTensor` under the float weight's name `<module>.weight`
+                                     one `PackedTensor` under the float weight's name `<module>.weight`;
+                                     gpt-oss's MXFP4 experts (`X_blocks`, `X_scales`) as one float
+                                     `MXFP4Tensor` under `X` (tp_jax/loaders/mxfp4.py)
 
 A `PackedTensor` is the float `[out, in]` weight as a lazy tensor: `t[rows, cols]` dequantizes only that
 slice, exactly (so `quantization=None` and every float path load it as float32). The linear method that
@@ -37,6 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from tp_jax.loaders.dtypes import BY_NUMPY
+from tp_jax.loaders.mxfp4 import mxfp4_view
 from tp_jax.loaders.safetensors import CheckpointError
 from tp_jax.models.quant_config import CheckpointQuant
 
@@ -311,7 +314,8 @@ FP8_LEAVES = ("weight", "weight_scale", "weight_scale_inv")
 
 
 class PackedSource:
-    """A safetensors source whose quantized modules read as `PackedTensor`s under `<module>.weight`."""
+    """A safetensors source whose quantized modules read as `PackedTensor`s under `<module>.weight` (MXFP4: each
+    `X_blocks` + `X_scales` pair as one `MXFP4Tensor` under `X`, loaders/mxfp4.py)."""
 
     def __init__(self, source, quant: CheckpointQuant):
         self.source, self.quant = source, quant
@@ -320,16 +324,27 @@ class PackedSource:
         hidden: set[str] = set()
         names = set(source.keys())
         for name in sorted(names):
-            module, _, leaf = name.rpartition(".")
-            view, leaves = self._view(source, names, module, leaf)
-            if view is not None:
-                self._views[f"{module}.weight"] = view
-                hidden |= {f"{module}.{k}" for k in (*leaves, *ACTIVATION_PARTS)} & names
+            found = self._view(source, names, name)
+            if found is not None:
+                target, view, consumed = found
+                self._views[target] = view
+                hidden |= set(consumed) & names
         self._keys = [n for n in source.keys() if n not in hidden or n in self._views] + \
             [n for n in self._views if n not in names]
         self._names = set(self._keys)
 
-    def _view(self, source, names, module: str, leaf: str):
+    def _view(self, source, names, name: str):
+        """(the float name it shows, its lazy view, the stored names it consumes) when `name` marks a quantized
+        weight, else None."""
+        q = self.quant
+        if q.method == "mxfp4":
+            return mxfp4_view(source, names, name, q)
+        module, _, leaf = name.rpartition(".")
+        view, leaves = self._linear(source, names, module, leaf)
+        return None if view is None else \
+            (f"{module}.weight", view, [f"{module}.{k}" for k in (*leaves, *ACTIVATION_PARTS)])
+
+    def _linear(self, source, names, module: str, leaf: str):
         q = self.quant
         if q.method in STORED and leaf == STORED[q.method][0]:
             return (GPTQTensor if q.method == "gptq" else AWQTensor)(source, module, q), STORED[q.method][1]

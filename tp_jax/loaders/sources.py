@@ -4,7 +4,7 @@
     a directory with `orbax/` and config.json      -> OrbaxSource (scripts/convert.py --to orbax; PackedSource
                                                       over it for a converted quantized checkpoint)
     a directory with *.safetensors and config.json -> SafetensorsSource (PackedSource over it for a
-                                                      GPTQ / AWQ / FP8 / compressed-tensors checkpoint)
+                                                      GPTQ / AWQ / FP8 / compressed-tensors / MXFP4 checkpoint)
 
 Every source has `keys()`, `in` and `get(name) -> lazy tensor`, under Hugging Face tensor
 names and layouts (docs/adding_a_loader_source.md). A directory that an interrupted
@@ -63,7 +63,8 @@ def open_checkpoint(path: str, *, config: bool = True) -> Checkpoint:
 
 
 def packed_source(source, path: str):
-    """`source`, or a `PackedSource` over it when config.json declares GPTQ / AWQ / FP8 / compressed-tensors."""
+    """`source`, or a `PackedSource` over it when config.json declares GPTQ / AWQ / FP8 / compressed-tensors /
+    MXFP4."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         return source

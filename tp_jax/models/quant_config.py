@@ -3,10 +3,11 @@
     checkpoint_quant(qc) -> CheckpointQuant | None     None: the weights are float
 
 `quantization_config.quant_method` in config.json picks the method, as in vLLM ("gptq", "awq", "fp8",
-"compressed-tensors"); everything else (bitsandbytes, AQLM, HQQ, MXFP4, a GPTQ `checkpoint_format`
-other than gptq / gptq_v2, AWQ GEMV, compressed-tensors' sparse or 2-to-7-bit schemes, ...) is refused
-here, before any weight is read, with an `UnsupportedConfigError` naming the method, the scheme and the
-field that decided it.
+"compressed-tensors", and gpt-oss's "mxfp4", whose experts load dequantized: tp_jax/loaders/mxfp4.py);
+everything else (bitsandbytes, AQLM, HQQ, a GPTQ `checkpoint_format` other than gptq / gptq_v2, AWQ GEMV,
+compressed-tensors' sparse or 2-to-7-bit schemes, an MXFP4 block with a field transformers' `Mxfp4Config`
+does not have, ...) is refused here, before any weight is read, with an `UnsupportedConfigError` naming the
+method, the scheme and the field that decided it.
 
 What a checkpoint's layers hold (bits, group size, zero points, act order, FP8 blocks) is read from the
 tensors themselves by the loader (tp_jax/loaders/packed.py); this module checks only what the tensors
@@ -18,6 +19,7 @@ checkpoint's weights, exactly dequantized, times float activations (docs/quantiz
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +34,9 @@ QUANT_METHODS = {"gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes", "
 # {"quant_method": "gguf"} into the config.json of a save_pretrained copy whose tensors are float.
 DEQUANTIZED_METHODS = frozenset({"gguf"})
 CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+# transformers' Mxfp4Config: `dequantize` is a loading option (dequantize to bf16 on load), not a property of the bytes
+MXFP4_FIELDS = ("quant_method", "modules_to_not_convert", "dequantize")
+MXFP4_SCHEME = "e2m1 values, an e8m0 scale per 32 inputs"
 
 
 class QuantConfigError(ValueError):
@@ -44,7 +49,8 @@ class CheckpointQuant:
 
     `method`: vLLM's name; `bits`: 4 or 8 (FP8: 8); `zero_offset`: added to a stored zero point (GPTQ's
     v1 format stores zero - 1); `desc_act`: GPTQ's act order (its `g_idx` reorders the groups);
-    `block`: FP8's `weight_block_size`; `scheme`: how messages name it.
+    `block`: FP8's `weight_block_size`; `scheme`: how messages name it; `keep_float`: MXFP4's
+    `modules_to_not_convert`, the modules stored float (transformers' patterns: `keeps_float`).
     """
     method: str
     bits: int = 4
@@ -54,6 +60,13 @@ class CheckpointQuant:
     scheme: str = ""
     group_size: int | None = None          # GPTQ / AWQ: inputs per scale (-1 in config.json: None, a whole row)
     sym: bool = False                      # GPTQ: one zero point, 2^(bits - 1)
+    keep_float: tuple[str, ...] = ()       # MXFP4: modules_to_not_convert
+
+    def keeps_float(self, module: str) -> bool:
+        """Whether `keep_float` names `module`, by transformers' rule (`should_convert_module`): a pattern
+        matching from the start up to a module boundary, as a regex ("model.layers.*.self_attn"), or a suffix."""
+        boundary = r"(?:(?<=\.)|(?=\.|$))"
+        return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in self.keep_float)
 
 
 def _refuse(method: str, scheme: str, field: str, value: Any, supported: str) -> QuantConfigError:
@@ -75,19 +88,21 @@ def checkpoint_quant(qc) -> CheckpointQuant | None:
     if qc is None:
         return None
     qc = as_dict(qc)
-    method = str(qc.get("quant_method") or ("bitsandbytes" if qc.get("load_in_4bit") or qc.get("load_in_8bit")
-                                             else "unknown")).lower()
+    method = qc.get("quant_method") or ("bitsandbytes" if qc.get("load_in_4bit") or qc.get("load_in_8bit")
+                                        else "unknown")
+    method = str(getattr(method, "value", method)).lower()        # transformers' QuantizationMethod enum: its value
     if method in DEQUANTIZED_METHODS:
         return None
-    read = {"gptq": _gptq, "awq": _awq, "fp8": _fp8, "compressed-tensors": _compressed_tensors}.get(method)
+    read = {"gptq": _gptq, "awq": _awq, "fp8": _fp8, "compressed-tensors": _compressed_tensors,
+            "mxfp4": _mxfp4}.get(method)
     if read is None:
         name = QUANT_METHODS.get(method, method)
         if method == "bitsandbytes":
             name += " 4-bit" if qc.get("load_in_4bit") else " 8-bit" if qc.get("load_in_8bit") else ""
         raise QuantConfigError(
             f"{name} checkpoints are not supported (config.json has quantization_config with quant_method="
-            f"{method!r}; tp_jax reads {', '.join(PACKED_METHODS)}); use the model's float or GGUF release, with "
-            f"`--quantization int8` (LLM(..., quantization='int8')) to quantize it on load")
+            f"{method!r}; tp_jax reads {', '.join((*PACKED_METHODS, 'mxfp4'))}); use the model's float or GGUF "
+            f"release, with `--quantization int8` (LLM(..., quantization='int8')) to quantize it on load")
     return read(qc)
 
 
@@ -176,3 +191,22 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
                           "false (weights quantized when saved)")
         bits.add(nbits)
     return CheckpointQuant("compressed-tensors", max(bits), 0, False, None, f"format {top}")
+
+
+def _mxfp4(qc: dict) -> CheckpointQuant:
+    """gpt-oss's MXFP4 experts (`*_blocks`, `*_scales`); `modules_to_not_convert` lists the modules stored float."""
+    for field, value in qc.items():
+        if field not in MXFP4_FIELDS:
+            raise _refuse("mxfp4", MXFP4_SCHEME, field, value, f"no fields but {', '.join(MXFP4_FIELDS)}")
+    keep = qc.get("modules_to_not_convert") or []
+    if not isinstance(keep, (list, tuple)) or not all(isinstance(m, str) and m for m in keep):
+        raise _refuse("mxfp4", MXFP4_SCHEME, "modules_to_not_convert", keep, "a list of module names or patterns")
+    for pattern in keep:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise _refuse("mxfp4", MXFP4_SCHEME, "modules_to_not_convert", pattern,
+                          f"patterns transformers reads as regular expressions ({e})") from None
+    if not isinstance(qc.get("dequantize", False), bool):
+        raise _refuse("mxfp4", MXFP4_SCHEME, "dequantize", qc["dequantize"], "true or false")
+    return CheckpointQuant("mxfp4", 4, scheme=f"MXFP4 ({MXFP4_SCHEME})", group_size=32, keep_float=tuple(keep))

@@ -13,6 +13,7 @@ AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8"})
 GGUF = CheckpointFacts("gguf", "LlamaForCausalLM", frozenset({"Q4_1", "Q8_0", "F32"}))
 BF16 = CheckpointFacts("safetensors", "LlamaForCausalLM", frozenset({None}), stored_bf16=True)
 F32 = CheckpointFacts("safetensors", "LlamaForCausalLM", frozenset({None}))
+MOE = CheckpointFacts("safetensors", "DeepseekV3ForCausalLM", frozenset({None}), experts=True)
 
 
 def setup(platform, checkpoint, **kw):
@@ -28,6 +29,7 @@ def setup(platform, checkpoint, **kw):
     ("cpu+float32", Platform("cpu", AVX2), F32, dict(dtype="float32", layer_loop="switch", quantization=None,
                                                      attention_backend="reference")),
     ("cpu x8+bf16", Platform("cpu", AVX2, 8), BF16, dict(layer_loop="scan", quantization=None)),
+    ("cpu+moe", Platform("cpu", AVX2), MOE, dict(dtype="float32", layer_loop="scan", quantization=None)),
     ("gpu+gguf", Platform("gpu", num_devices=8), GGUF, dict(dtype="bfloat16", layer_loop="scan", quantization="gguf",
                                                             attention_backend="reference")),
     ("gpu+bf16", Platform("gpu"), BF16, dict(dtype="bfloat16", layer_loop="scan", quantization=None)),

@@ -78,7 +78,8 @@ class LLM:
         types, stored_bf16 = checkpoint_weight_facts(self.config, source, self.mesh)
         stored = getattr(source, "source", source)                       # a PackedSource: the files under it
         fmt = "gguf" if is_gguf(self.model_path) else type(stored).__name__.removesuffix("Source").lower()
-        facts = CheckpointFacts(fmt, self.config.architecture, types, stored_bf16)
+        facts = CheckpointFacts(fmt, self.config.architecture, types, stored_bf16,
+                                experts=hasattr(self.config, "num_experts"))
         self.setup: EngineSetup = resolve(args, Platform.of(self.mesh), facts, self.config.max_position_embeddings)
         setup = self.setup
         log.info(setup.summary())

@@ -87,8 +87,8 @@ def test_unsupported_architecture(good, tmp_path):
 
 
 @pytest.mark.parametrize("edit,msg", [
-    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
-     r"rope_type 'yarn' is not supported"),
+    (lambda c: c.update(rope_parameters={"rope_type": "mrope", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}),
+     r"rope_type 'mrope' is not supported"),
     (lambda c: c.update(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
     (lambda c: c.update(sliding_window=32), r"sliding_window=32 \(an active sliding window\) is not supported"),
 ])

@@ -11,6 +11,7 @@ import os
 import re
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -192,9 +193,8 @@ def edited(name: str, **change) -> dict:
 
 REFUSED = {   # case: (config dict, regex the error must match)
     "mrope": (edited("Qwen2.5-7B", use_mrope=True), r"use_mrope=True asks for multimodal rotary positions"),
-    "yarn rope": (edited("Qwen2.5-7B", rope_scaling={"type": "yarn", "factor": 4.0,
-                                                      "original_max_position_embeddings": 32768}),
-                  r"rope_type 'yarn' is not supported"),
+    "multimodal rope sections": (edited("Qwen2.5-7B", rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+                                 r"rope_type 'mrope' is not supported"),
     "partial rotary": (edited("Llama-3.2-1B-Instruct", partial_rotary_factor=0.5), r"partial_rotary_factor"),
     "attention soft-capping": (edited("Llama-3.1-8B", attn_logit_softcapping=50.0),
                                r"attn_logit_softcapping=50.0 asks for tanh soft-capping of attention scores"),
@@ -223,6 +223,22 @@ def test_longrope_is_read_with_its_factors(tmp_path):
                                                                                                      2.0, False)
     assert cfg.rope.attention_factor == pytest.approx(math.sqrt(1 + math.log(4.0) / math.log(8192)))
     assert for_max_model_len(cfg, 8192).rope.use_long is False and for_max_model_len(cfg, 8193).rope.use_long
+
+
+def test_qwen_yarn_is_read_as_transformers_reads_it(tmp_path):
+    """Qwen2.5's published long-context recipe (rope_scaling yarn, factor 4 over 32768 positions): the inverse
+    frequencies and the attention factor of transformers' own yarn on the same config."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from tp_jax.models.rope import inv_freq
+    path = model_dir(tmp_path, edited("Qwen2.5-7B", rope_scaling={"type": "yarn", "factor": 4.0,
+                                                                   "original_max_position_embeddings": 32768}))
+    cfg = load_config(path)
+    assert (cfg.rope.type, cfg.rope.factor, cfg.rope.original_max_position_embeddings) == ("yarn", 4.0, 32768)
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](AutoConfig.from_pretrained(path), torch.device("cpu"))
+    assert cfg.rope.attention_factor == pytest.approx(factor)
+    np.testing.assert_allclose(inv_freq(cfg.rope, cfg.head_dim), want.numpy(), rtol=1e-6)
 
 
 @pytest.mark.parametrize("name,layers,first", [("Qwen2.5-7B", 28, 14), ("Qwen3-8B", 36, 8)])

@@ -72,13 +72,16 @@ def test_yarn_inv_freq_and_attention_factor_match_transformers(name):
     # the blend is transformers' float32 arithmetic op by op: bit-for-bit given torch's theta^(2i/dim) ...
     pos = (rope.theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)).numpy()
     np.testing.assert_array_equal(rope_module._yarn(pos, rope, dim), want)
-    # ... and inv_freq with numpy's powf: bit-for-bit wherever it agrees with torch's, within 1 ulp everywhere
+    # ... and inv_freq from theta^(2i/dim) correctly rounded: bit-for-bit wherever torch's float32 power is
+    # correctly rounded too, within 1 ulp everywhere (torch's power is not correctly rounded everywhere, and
+    # rounds differently on AVX2 and AVX-512 hosts)
     got = inv_freq(rope, dim)
     assert got.dtype == np.float32 and got.shape == want.shape
     np.testing.assert_array_max_ulp(got, want, maxulp=1)
     shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    if np.array_equal(rope.theta ** shape, pos):
-        np.testing.assert_array_equal(got, want)
+    rounded = (np.float64(rope.theta) ** shape.astype(np.float64)).astype(np.float32) == pos
+    assert rounded.mean() > 0.5
+    np.testing.assert_array_equal(got[rounded], want[rounded])
 
 
 def test_yarn_fields_from_real_configs():
@@ -133,9 +136,11 @@ def random_qk(seed: int, dim: int = 64, batch: int = 2, heads: int = 3, tokens: 
     return q, k, positions
 
 
-def ours(x: torch.Tensor, positions: torch.Tensor, rope: RopeConfig, interleaved: bool) -> np.ndarray:
-    """tp_jax's rotation of torch's x[B, H, T, D], returned as [B, H, T, D]."""
-    freq = tuple(inv_freq(rope, x.shape[-1]).tolist())
+def ours(x: torch.Tensor, positions: torch.Tensor, rope: RopeConfig, interleaved: bool, freq) -> np.ndarray:
+    """tp_jax's rotation of torch's x[B, H, T, D] by the reference's own inverse frequencies `freq` (what is under
+    test is the rotation; inv_freq is checked above, and 1 ulp of a frequency moves the angle at position 20000 by
+    ~1e-3), returned as [B, H, T, D]."""
+    freq = tuple(freq.tolist())
     out = apply_rope(jnp.asarray(x.numpy().transpose(0, 2, 1, 3)), jnp.asarray(positions.numpy()), freq,
                      rope.attention_factor, interleaved=interleaved)
     return np.asarray(out).transpose(0, 2, 1, 3)
@@ -146,12 +151,15 @@ def test_interleaved_apply_rope_matches_deepseek_v3(name):
     hf = CONFIGS[name]()
     rope = rope_from_hf(hf)
     q, k, positions = random_qk(0)
-    cos, sin = DeepseekV3RotaryEmbedding(hf)(q, positions)
+    rotary = DeepseekV3RotaryEmbedding(hf)
+    cos, sin = rotary(q, positions)
+    freq = rotary.inv_freq.numpy()
+    np.testing.assert_array_max_ulp(inv_freq(rope, 64), freq, maxulp=1)
     want_q, want_k = apply_rotary_pos_emb_interleave(q, k, cos, sin)
-    np.testing.assert_allclose(ours(q, positions, rope, True), want_q.numpy(), rtol=1e-5, atol=2e-6)
-    np.testing.assert_allclose(ours(k, positions, rope, True), want_k.numpy(), rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(ours(q, positions, rope, True, freq), want_q.numpy(), rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(ours(k, positions, rope, True, freq), want_k.numpy(), rtol=1e-5, atol=2e-6)
     plain_q, _ = apply_rotary_pos_emb(q, k, cos, sin)       # and the rotate_half layout is unchanged
-    np.testing.assert_allclose(ours(q, positions, rope, False), plain_q.numpy(), rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(ours(q, positions, rope, False, freq), plain_q.numpy(), rtol=1e-5, atol=2e-6)
 
 
 def test_interleaved_equals_complex_rotation_of_deepseek_v2():
@@ -159,8 +167,10 @@ def test_interleaved_equals_complex_rotation_of_deepseek_v2():
     hf = deepseek_v2_lite()
     rope = rope_from_hf(hf)
     q, k, positions = random_qk(1)
-    want_q, want_k = apply_rotary_emb(q, k, DeepseekV2RotaryEmbedding(hf)(q, positions))
-    got_q, got_k = ours(q, positions, rope, True), ours(k, positions, rope, True)
+    rotary = DeepseekV2RotaryEmbedding(hf)
+    want_q, want_k = apply_rotary_emb(q, k, rotary(q, positions))
+    freq = rotary.inv_freq.numpy()
+    got_q, got_k = ours(q, positions, rope, True, freq), ours(k, positions, rope, True, freq)
     deinterleave = np.r_[0:64:2, 1:64:2]
     np.testing.assert_allclose(got_q, want_q.numpy()[..., deinterleave], rtol=1e-5, atol=2e-6)
     np.testing.assert_allclose(got_k, want_k.numpy()[..., deinterleave], rtol=1e-5, atol=2e-6)

@@ -165,16 +165,19 @@ def inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     `partial_rotary_factor`)."""
     dim = int(head_dim * rope.partial_rotary_factor)
     shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    # theta^(2i/dim) correctly rounded to float32 (a float64 power, rounded once), the same on every machine:
+    # numpy's float32 power is vectorised differently per CPU (1-2 ulp apart on AVX-512 and AVX2 hosts), as is
+    # torch's, which transformers uses: ours is within 1 ulp of its value
+    powers = (np.float64(rope.theta) ** shape.astype(np.float64)).astype(np.float32)
     if rope.type == "longrope":
         ext = np.asarray(rope.long_factor if rope.use_long else rope.short_factor, np.float32)
         if ext.shape != shape.shape:
             raise UnsupportedConfigError(f"rope_parameters: {'long' if rope.use_long else 'short'}_factor has "
                                          f"{ext.size} entries; the rotary dims need {shape.size}")
-        return (1.0 / (ext * (rope.theta ** shape).astype(np.float32))).astype(np.float32)
+        return (1.0 / (ext * powers)).astype(np.float32)
     if rope.type == "yarn":
-        return _yarn(rope.theta ** shape, rope, dim)
-    freq = 1.0 / (rope.theta ** shape)
-    freq = freq.astype(np.float32)
+        return _yarn(powers, rope, dim)
+    freq = (1.0 / powers).astype(np.float32)
     if rope.type == "linear":
         return (freq / rope.factor).astype(np.float32)
     if rope.type == "llama3":

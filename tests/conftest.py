@@ -66,11 +66,12 @@ def child_flags(item) -> str | None:
 
 class ChildRun:
     """One child pytest for a file's tests under other flags (its fixtures, models and compiled programs shared
-    as in one process), started by the first of them to run: each test's (outcome, failure or skip text) and
-    compile seconds."""
+    as in one process), started by the first of them to run: each test's (outcome, failure or skip text),
+    compile seconds and peak memory."""
 
     def __init__(self, nodeids: list[str], flags: str, rootpath):
         self.nodeids, self.flags, self.rootpath, self.outcomes, self.compile_s = nodeids, flags, rootpath, None, {}
+        self.peak_rss: dict[str, int] = {}      # nodeid -> the child's peak resident bytes while it ran
 
     def outcome(self, nodeid: str) -> tuple[str, str]:
         if self.outcomes is None:
@@ -87,8 +88,9 @@ class ChildRun:
             print(run.stdout[-4000:])
             found: dict[str, tuple[str, str]] = {}
             for line in results:                   # a test's phases in order: a failed teardown after a pass fails
-                nodeid, outcome, text, compiled = json.loads(line)
+                nodeid, outcome, text, compiled, peak = json.loads(line)
                 self.compile_s[nodeid] = self.compile_s.get(nodeid, 0.0) + compiled
+                self.peak_rss[nodeid] = max(self.peak_rss.get(nodeid, 0), peak)
                 if found.get(nodeid, ("passed",))[0] == "passed":
                     found[nodeid] = (outcome, text)
         missing = ("failed", f"did not run in its child process (exit {run.returncode}):\n{run.stdout[-6000:]}"
@@ -106,6 +108,7 @@ class ChildItem(pytest.Item):
     def runtest(self):
         outcome, text = self.child.outcome(self.nodeid)
         _COMPILING[0] += self.child.compile_s.get(self.nodeid, 0.0)
+        _CHILD_PEAK[0] = self.child.peak_rss.get(self.nodeid, 0)
         if outcome == "skipped":
             pytest.skip(text)
         if outcome != "passed":
@@ -139,8 +142,10 @@ def pytest_runtest_logreport(report):
         import json
         text = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else str(report.longrepr)
         compiled = sum(v for k, v in report.user_properties if k == "compile_s")
+        peak = max([v for k, v in report.user_properties if k == "peak_rss"] or [0])
         with open(os.environ[_CHILD_RESULTS], "a") as f:
-            f.write(json.dumps([report.nodeid, report.outcome, "" if report.passed else text, compiled]) + "\n")
+            f.write(json.dumps([report.nodeid, report.outcome, "" if report.passed else text, compiled, peak])
+                    + "\n")
 
 
 # (dp, pp, tp) shapes for layer tests: tp in {1, 2, 4, 8}, and tp = 3 on 6 devices (dp = 2).
@@ -211,8 +216,40 @@ def smollm2_bf16(smollm2_path, tmp_path_factory):
 from tests.server_process import client, ref, tiny_path, tiny_server  # noqa: E402,F401
 
 
-# --- each test file's time, reported at the end of every run (CI's log) against its budget ---------------
+# --- each test file's time and memory, reported at the end of every run (CI's log) against their budgets ----
 FILE_BUDGET_S = 240            # a file over this is listed as over budget: split it or share its fixtures
+# the peak resident memory of the process running a file (an xdist worker with what its earlier files keep in
+# session fixtures, or a file's child pytest): two workers, each with a child, share the CI machine's 24 GiB,
+# with no swap; past it every process thrashes (a CI run once took 13 min over a 2-min file). A file over this
+# keeps too many models alive: free them as its tests finish with them.
+FILE_MEMORY_BUDGET = 6 * 2**30
+_FILE_PEAK: dict[str, int] = {}
+_CHILD_PEAK = [0]                            # the child's peak for the test a ChildItem stands for
+_LAST_FILE = [None]
+
+
+def _peak_rss() -> int:
+    """This process's peak resident bytes since the last `_reset_peak` (VmHWM), 0 where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except OSError:
+        return 0
+
+
+def _reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:     # "5": reset the peak resident set size to the current
+            f.write("5")
+    except OSError:
+        pass
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.path != _LAST_FILE[0]:               # a new file: its peak counts from here
+        _LAST_FILE[0] = item.path
+        _reset_peak()
 _FILE_SECONDS: dict[str, float] = {}
 _COMPILE_SECONDS: dict[str, float] = {}      # of which: JAX tracing, lowering and XLA compiling (jax.monitoring)
 _COMPILING = [0.0]                           # this process's compile seconds not yet attached to a report
@@ -231,7 +268,8 @@ def pytest_runtest_makereport(item, call):
     """Runs where the test runs (an xdist worker): the compile seconds travel in the report to the controller."""
     outcome = yield
     outcome.get_result().user_properties.append(("compile_s", _COMPILING[0]))
-    _COMPILING[0] = 0.0
+    outcome.get_result().user_properties.append(("peak_rss", max(_peak_rss(), _CHILD_PEAK[0])))
+    _COMPILING[0], _CHILD_PEAK[0] = 0.0, 0
 
 
 def _count_file_seconds(report):
@@ -239,15 +277,22 @@ def _count_file_seconds(report):
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
     compiled = sum(v for k, v in report.user_properties if k == "compile_s")
     _COMPILE_SECONDS[path] = _COMPILE_SECONDS.get(path, 0.0) + compiled
+    _FILE_PEAK[path] = max([_FILE_PEAK.get(path, 0)] + [v for k, v in report.user_properties if k == "peak_rss"])
 
 
 def pytest_terminal_summary(terminalreporter):
     if not _FILE_SECONDS:
         return
     rows = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])
-    terminalreporter.write_sep("=", f"seconds per test file (budget {FILE_BUDGET_S} s each)")
-    for path, secs in rows[:15]:
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    terminalreporter.write_sep("=", f"seconds per test file (budget {FILE_BUDGET_S} s each), and the peak memory "
+                                    f"of the process running it (budget {gib(FILE_MEMORY_BUDGET)})")
+    heavy = [kv for kv in sorted(_FILE_PEAK.items(), key=lambda kv: -kv[1]) if kv[1] > FILE_MEMORY_BUDGET]
+    for path, secs in rows[:15] + [(p, _FILE_SECONDS[p]) for p, _ in heavy if p not in dict(rows[:15])]:
         flag = "  OVER BUDGET" if secs > FILE_BUDGET_S else ""
-        terminalreporter.write_line(f"{secs:8.1f} s  {path}  ({_COMPILE_SECONDS.get(path, 0.0):.0f} s compiling){flag}")
+        flag += "  OVER MEMORY BUDGET" if _FILE_PEAK.get(path, 0) > FILE_MEMORY_BUDGET else ""
+        terminalreporter.write_line(f"{secs:8.1f} s  {path}  ({_COMPILE_SECONDS.get(path, 0.0):.0f} s compiling; "
+                                    f"peak {gib(_FILE_PEAK.get(path, 0))}){flag}")
     terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all ({len(rows)} files; "
-                                f"{sum(_COMPILE_SECONDS.values()):.0f} s compiling); {machine()}")
+                                f"{sum(_COMPILE_SECONDS.values()):.0f} s compiling; the highest peak "
+                                f"{gib(max(_FILE_PEAK.values(), default=0))}); {machine()}")

@@ -245,11 +245,44 @@ def _reset_peak():
         pass
 
 
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _give_back_memory():
+    """Free what the tests left: the models in reference cycles (LLM objects), then the heap pages glibc keeps
+    for reuse (the XLA buffers of the freed models, spread over its arenas). Without it a worker grew to 8 GiB
+    after SmolLM2's files, the models long gone."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):           # not glibc
+        pass
+
+
+RSS_TRIM_ABOVE = 3 * 2**30          # past this after a test, free memory there too (a file of many models)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield                                       # the test's fixtures (a module's, at its last test) are gone
+    if nextitem is None or nextitem.path != item.path or _rss() > RSS_TRIM_ABOVE:
+        _give_back_memory()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     if item.path != _LAST_FILE[0]:               # a new file: its peak counts from here
         _LAST_FILE[0] = item.path
         _reset_peak()
+
+
 _FILE_SECONDS: dict[str, float] = {}
 _COMPILE_SECONDS: dict[str, float] = {}      # of which: JAX tracing, lowering and XLA compiling (jax.monitoring)
 _COMPILING = [0.0]                           # this process's compile seconds not yet attached to a report

@@ -224,6 +224,7 @@ FILE_BUDGET_S = 240            # a file over this is listed as over budget: spli
 # keeps too many models alive: free them as its tests finish with them.
 FILE_MEMORY_BUDGET = 6 * 2**30
 _FILE_PEAK: dict[str, int] = {}
+_FREEING_SECONDS = [0.0]                     # the test processes' seconds in _give_back_memory (not a child pytest's)
 _CHILD_PEAK = [0]                            # the child's peak for the test a ChildItem stands for
 _LAST_FILE = [None]
 
@@ -271,14 +272,18 @@ def _give_back_memory():
 # and JAX, and at 3 GiB as the trigger the suite ran 35% longer
 RSS_GROWTH_TRIM = 2**30
 _RSS_AFTER_TRIM = [0]
+_FREEING = [0.0]                    # this process's seconds spent freeing, not yet attached to a report
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield                                       # the test's fixtures (a module's, at its last test) are gone
     if nextitem is None or nextitem.path != item.path or _rss() > _RSS_AFTER_TRIM[0] + RSS_GROWTH_TRIM:
+        import time
+        start = time.perf_counter()
         _give_back_memory()
         _RSS_AFTER_TRIM[0] = _rss()
+        _FREEING[0] += time.perf_counter() - start
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -307,7 +312,8 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     outcome.get_result().user_properties.append(("compile_s", _COMPILING[0]))
     outcome.get_result().user_properties.append(("peak_rss", max(_peak_rss(), _CHILD_PEAK[0])))
-    _COMPILING[0], _CHILD_PEAK[0] = 0.0, 0
+    outcome.get_result().user_properties.append(("freeing_s", _FREEING[0]))
+    _COMPILING[0], _CHILD_PEAK[0], _FREEING[0] = 0.0, 0, 0.0
 
 
 def _count_file_seconds(report):
@@ -315,6 +321,7 @@ def _count_file_seconds(report):
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
     compiled = sum(v for k, v in report.user_properties if k == "compile_s")
     _COMPILE_SECONDS[path] = _COMPILE_SECONDS.get(path, 0.0) + compiled
+    _FREEING_SECONDS[0] += sum(v for k, v in report.user_properties if k == "freeing_s")
     _FILE_PEAK[path] = max([_FILE_PEAK.get(path, 0)] + [v for k, v in report.user_properties if k == "peak_rss"])
 
 
@@ -332,5 +339,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{secs:8.1f} s  {path}  ({_COMPILE_SECONDS.get(path, 0.0):.0f} s compiling; "
                                     f"peak {gib(_FILE_PEAK.get(path, 0))}){flag}")
     terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all ({len(rows)} files; "
-                                f"{sum(_COMPILE_SECONDS.values()):.0f} s compiling; the highest peak "
-                                f"{gib(max(_FILE_PEAK.values(), default=0))}); {machine()}")
+                                f"{sum(_COMPILE_SECONDS.values()):.0f} s compiling, {_FREEING_SECONDS[0]:.0f} s "
+                                f"freeing memory; the highest peak {gib(max(_FILE_PEAK.values(), default=0))}); "
+                                f"{machine()}")

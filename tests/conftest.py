@@ -67,11 +67,12 @@ def child_flags(item) -> str | None:
 class ChildRun:
     """One child pytest for a file's tests under other flags (its fixtures, models and compiled programs shared
     as in one process), started by the first of them to run: each test's (outcome, failure or skip text),
-    compile seconds and peak memory."""
+    compile seconds, peak memory and seconds freeing memory."""
 
     def __init__(self, nodeids: list[str], flags: str, rootpath):
         self.nodeids, self.flags, self.rootpath, self.outcomes, self.compile_s = nodeids, flags, rootpath, None, {}
         self.peak_rss: dict[str, int] = {}      # nodeid -> the child's peak resident bytes while it ran
+        self.freeing_s: dict[str, float] = {}   # nodeid -> the child's seconds freeing memory after it
 
     def outcome(self, nodeid: str) -> tuple[str, str]:
         if self.outcomes is None:
@@ -88,8 +89,9 @@ class ChildRun:
             print(run.stdout[-4000:])
             found: dict[str, tuple[str, str]] = {}
             for line in results:                   # a test's phases in order: a failed teardown after a pass fails
-                nodeid, outcome, text, compiled, peak = json.loads(line)
+                nodeid, outcome, text, compiled, peak, freeing = json.loads(line)
                 self.compile_s[nodeid] = self.compile_s.get(nodeid, 0.0) + compiled
+                self.freeing_s[nodeid] = self.freeing_s.get(nodeid, 0.0) + freeing
                 self.peak_rss[nodeid] = max(self.peak_rss.get(nodeid, 0), peak)
                 if found.get(nodeid, ("passed",))[0] == "passed":
                     found[nodeid] = (outcome, text)
@@ -109,6 +111,7 @@ class ChildItem(pytest.Item):
         outcome, text = self.child.outcome(self.nodeid)
         _COMPILING[0] += self.child.compile_s.get(self.nodeid, 0.0)
         _CHILD_PEAK[0] = self.child.peak_rss.get(self.nodeid, 0)
+        _FREEING[0] += self.child.freeing_s.get(self.nodeid, 0.0)
         if outcome == "skipped":
             pytest.skip(text)
         if outcome != "passed":
@@ -143,9 +146,10 @@ def pytest_runtest_logreport(report):
         text = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else str(report.longrepr)
         compiled = sum(v for k, v in report.user_properties if k == "compile_s")
         peak = max([v for k, v in report.user_properties if k == "peak_rss"] or [0])
+        freeing = sum(v for k, v in report.user_properties if k == "freeing_s")
         with open(os.environ[_CHILD_RESULTS], "a") as f:
-            f.write(json.dumps([report.nodeid, report.outcome, "" if report.passed else text, compiled, peak])
-                    + "\n")
+            f.write(json.dumps([report.nodeid, report.outcome, "" if report.passed else text, compiled, peak,
+                                freeing]) + "\n")
 
 
 # (dp, pp, tp) shapes for layer tests: tp in {1, 2, 4, 8}, and tp = 3 on 6 devices (dp = 2).
@@ -224,16 +228,17 @@ FILE_BUDGET_S = 240            # a file over this is listed as over budget: spli
 # keeps too many models alive: free them as its tests finish with them.
 FILE_MEMORY_BUDGET = 6 * 2**30
 _FILE_PEAK: dict[str, int] = {}
-_FREEING_SECONDS = [0.0]                     # the test processes' seconds in _give_back_memory (not a child pytest's)
+_FREEING_SECONDS = [0.0]                     # all test processes' seconds in _give_back_memory
 _CHILD_PEAK = [0]                            # the child's peak for the test a ChildItem stands for
 _LAST_FILE = [None]
 
 
-def _peak_rss() -> int:
-    """This process's peak resident bytes since the last `_reset_peak` (VmHWM), 0 where /proc has none."""
+def _resident(key: str = "VmRSS") -> int:
+    """This process's resident bytes now ("VmRSS") or at their peak since the last `_reset_peak` ("VmHWM"), 0
+    where /proc has none."""
     try:
         with open("/proc/self/status") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":")), 0)
     except OSError:
         return 0
 
@@ -244,14 +249,6 @@ def _reset_peak():
             f.write("5")
     except OSError:
         pass
-
-
-def _rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 def _give_back_memory():
@@ -278,11 +275,11 @@ _FREEING = [0.0]                    # this process's seconds spent freeing, not 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield                                       # the test's fixtures (a module's, at its last test) are gone
-    if nextitem is None or nextitem.path != item.path or _rss() > _RSS_AFTER_TRIM[0] + RSS_GROWTH_TRIM:
+    if nextitem is None or nextitem.path != item.path or _resident() > _RSS_AFTER_TRIM[0] + RSS_GROWTH_TRIM:
         import time
         start = time.perf_counter()
         _give_back_memory()
-        _RSS_AFTER_TRIM[0] = _rss()
+        _RSS_AFTER_TRIM[0] = _resident()
         _FREEING[0] += time.perf_counter() - start
 
 
@@ -311,7 +308,7 @@ def pytest_runtest_makereport(item, call):
     """Runs where the test runs (an xdist worker): the compile seconds travel in the report to the controller."""
     outcome = yield
     outcome.get_result().user_properties.append(("compile_s", _COMPILING[0]))
-    outcome.get_result().user_properties.append(("peak_rss", max(_peak_rss(), _CHILD_PEAK[0])))
+    outcome.get_result().user_properties.append(("peak_rss", max(_resident("VmHWM"), _CHILD_PEAK[0])))
     outcome.get_result().user_properties.append(("freeing_s", _FREEING[0]))
     _COMPILING[0], _CHILD_PEAK[0], _FREEING[0] = 0.0, 0, 0.0
 

@@ -20,7 +20,7 @@ def run(mesh, fn, x, in_spec=P("tp"), out_spec=P("tp")):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-@pytest.mark.parametrize("strategy", ["psum", "one_shot", "two_shot", "auto"])
+@pytest.mark.parametrize("strategy", ["ordered", "psum", "one_shot", "two_shot", "auto", None])
 def test_all_reduce_strategies_equal_sum(tp, strategy):
     mesh = mesh_for(1, 1, tp)
     x = np.random.default_rng(tp).standard_normal((tp, 5, 7)).astype(np.float32)  # 35 % tp != 0
@@ -28,6 +28,38 @@ def test_all_reduce_strategies_equal_sum(tp, strategy):
     np.testing.assert_allclose(y, np.broadcast_to(x.sum(0, keepdims=True), x.shape), rtol=1e-5, atol=1e-5)
     if tp == 1:
         assert not re.search(r"all-reduce|all-gather|reduce-scatter", hlo)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_ordered_sums_are_rank_order_and_one_process_psums_bit_for_bit(tp, monkeypatch):
+    """"ordered" (the default of a multi-process CPU run) adds in rank order, ((x_0 + x_1) + x_2) + ...; XLA:CPU's
+    in-process all-reduce and reduce-scatter (a one-process run's default) give the same bits: so 2 processes x 4
+    devices give what 1 process x 8 gives (tests/test_multihost.py). Values of mixed magnitudes, so that the order
+    shows in the last bits."""
+    mesh = mesh_for(1, 1, tp)
+    rng = np.random.default_rng(tp)
+    x = (rng.standard_normal((tp, 4, 2 * tp)) * 10.0 ** rng.integers(-3, 4, (tp, 4, 2 * tp))).astype(np.float32)
+    fold = x[0]
+    for part in x[1:]:
+        fold = fold + part
+    assert not np.array_equal(fold, x[::-1].sum(0, dtype=np.float32)) or tp == 2   # the order matters here
+    ordered, hlo = run(mesh, lambda b: C.all_reduce(b[0], "tp", "ordered")[None], x)
+    psum, _ = run(mesh, lambda b: C.all_reduce(b[0], "tp", "psum")[None], x)
+    np.testing.assert_array_equal(ordered, np.broadcast_to(fold, x.shape))
+    np.testing.assert_array_equal(psum, ordered)
+    assert count(hlo, "all-gather") == 1 and count(hlo, "all-reduce") == 0
+    one_process, _ = run(mesh, lambda b: C.reduce_scatter(b[0], "tp", dim=-1)[None], x)
+    monkeypatch.setattr(C, "default_strategy", lambda: "ordered")
+    many, hlo = run(mesh, lambda b: C.reduce_scatter(b[0], "tp", dim=-1)[None], x)
+    np.testing.assert_array_equal(many, fold.reshape(4, tp, 2).transpose(1, 0, 2))
+    np.testing.assert_array_equal(one_process, many)
+    assert count(hlo, "all-to-all") == 1 and count(hlo, "reduce-scatter") == 0
+
+
+def test_default_strategy_is_ordered_only_across_processes(monkeypatch):
+    assert C.default_strategy() == "psum"                    # this process: 1 of 1
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert C.default_strategy() == "ordered"
 
 
 def test_auto_follows_thresholds(monkeypatch):

@@ -212,21 +212,31 @@ def test_mismatched_process_counts_fail_fast_with_a_clear_error():
 
 
 @pytest.mark.slow
-def test_smollm2_tp4_on_two_processes_equals_one_process(smollm2_path):
+def test_smollm2_dp2_tp4_on_two_processes_equals_one_process_bit_for_bit(smollm2_path):
+    """The default model (its bf16 dots carry a float32 sum's last bit into the tokens): 2 processes x 4 devices,
+    each a tp group, give the tokens and logprobs of 1 process x 8 devices, to the bit. XLA's own all-reduce sums in
+    the order of its implementation (Gloo across processes, another in one): with it the logprobs differed by up to
+    2e-2 here; the layers' "ordered" all-reduce adds in rank order on both."""
     from tp_jax.serving.llm import LLM
     from tp_jax.serving.sampling import SamplingParams
-    prompt = "Once upon a time"
-    proc = start(launch_cmd(GENERATE, "--tp", "4", "--prompt", prompt, "--max-tokens", "8", "--json"))
+    prompts = ["Once upon a time", "The capital of France is"]
+    flags = [a for p in prompts for a in ("--prompt", p)]
+    proc = start(launch_cmd(GENERATE, "--tp", "4", "--dp", "2", *flags, "--max-tokens", "16", "--logprobs", "1",
+                            "--json"))
     try:
-        one = LLM(smollm2_path, tensor_parallel_size=4, progress=False)     # while the 2 processes run
-        expected = one.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].token_ids
-        out, err = proc.communicate(timeout=300)
+        one = LLM(smollm2_path, tensor_parallel_size=4, data_parallel_size=2, progress=False)   # meanwhile
+        outs = one.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, logprobs=1))
+        out, err = proc.communicate(timeout=400)
     finally:
         proc.kill()
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     rows = [line for line in out.splitlines() if '{"index"' in line]
-    assert len(rows) == 1 and rank_of(rows[0]) == 0                # only the driver prints
-    assert json.loads(rows[0].split("] ", 1)[1])["token_ids"] == expected and len(expected) == 8
+    assert len(rows) == 2 and {rank_of(r) for r in rows} == {0}                # only the driver prints
+    for row, o in zip(sorted((json.loads(r.split("] ", 1)[1]) for r in rows), key=lambda r: r["index"]), outs):
+        mine = o.outputs[0]
+        assert row["token_ids"] == mine.token_ids and len(mine.token_ids) == 16
+        expected = [{str(t): getattr(v, "logprob", v) for t, v in d.items()} for d in mine.logprobs]
+        assert row["logprobs"] == expected                                     # float32 values, bit for bit
 
 
 def test_resolve_takes_flags_then_env_then_cluster():

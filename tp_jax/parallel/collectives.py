@@ -1,8 +1,17 @@
 """vLLM's GroupCoordinator as functions over a named mesh axis, for use inside `shard_map`.
 
-all_reduce (strategies "psum", "one_shot", "two_shot", "auto"), all_gather, reduce_scatter,
+all_reduce (strategies "ordered", "psum", "one_shot", "two_shot", "auto"), all_gather, reduce_scatter,
 broadcast from a source index, and send_to_next / send_to_prev along the pipeline axis.
 On an axis of size 1 every function returns its input and emits no collective.
+
+Sums in a multi-process CPU run are "ordered" by default: the members' values are gathered (a copy,
+exact) and added in rank order, ((x_0 + x_1) + x_2) + ..., on every member. A float sum's last bits
+depend on its order, and the order of XLA's all-reduce is its implementation's: XLA:CPU's in-process
+collectives add in rank order (`ordered_sum`'s bits: tests/test_collectives.py), Gloo's, which carry
+every collective of a multi-process CPU run, in another. With psum there, 2 processes x 4 devices
+gave the default model's logprobs other bits than 1 process x 8 devices (by up to 2e-2 once its bf16
+dots carried them); ordered, the same bits (tests/test_multihost.py). Elsewhere the default is XLA's
+psum: one process's all-reduce on CPU, NCCL's or the TPU's on accelerators (tp x fewer bytes).
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ import jax.numpy as jnp
 
 from tp_jax.parallel.mesh import PP, TP
 
-STRATEGIES = ("psum", "one_shot", "two_shot", "auto")
+STRATEGIES = ("ordered", "psum", "one_shot", "two_shot", "auto")
 
 
 @dataclasses.dataclass
@@ -58,8 +67,16 @@ def choose_strategy(nbytes: int) -> str:
     return "psum"
 
 
-def all_reduce(x: jax.Array, axis: str = TP, strategy: str = "psum") -> jax.Array:
-    """Sum of `x` over `axis`; every member gets the sum."""
+def default_strategy() -> str:
+    """The all-reduce of a sum whose strategy is not named: "ordered" in a multi-process CPU run, else "psum"
+    (the module doc)."""
+    return "ordered" if jax.default_backend() == "cpu" and jax.process_count() > 1 else "psum"
+
+
+def all_reduce(x: jax.Array, axis: str = TP, strategy: str | None = None) -> jax.Array:
+    """Sum of `x` over `axis`; every member gets the sum. `strategy`: one of `STRATEGIES`, None for
+    `default_strategy()` ("ordered": the same bits whatever implements the collectives; see the module doc)."""
+    strategy = default_strategy() if strategy is None else strategy
     if strategy not in STRATEGIES:
         raise ValueError(f"all_reduce: unknown strategy {strategy!r}; choose one of {STRATEGIES}.")
     n = axis_size(axis)
@@ -67,11 +84,21 @@ def all_reduce(x: jax.Array, axis: str = TP, strategy: str = "psum") -> jax.Arra
         return x
     if strategy == "auto":
         strategy = choose_strategy(x.size * x.dtype.itemsize)
+    if strategy == "ordered":
+        return ordered_sum(jax.lax.all_gather(x, axis, axis=0))
     if strategy == "psum":
         return jax.lax.psum(x, axis)
     if strategy == "one_shot":
         return jnp.sum(jax.lax.all_gather(x, axis, axis=0), axis=0, dtype=x.dtype)
     return _two_shot(x, axis, n)
+
+
+def ordered_sum(parts: jax.Array) -> jax.Array:
+    """parts[n, ...] summed over the first axis in index order: ((p_0 + p_1) + p_2) + ..."""
+    total = parts[0]
+    for i in range(1, parts.shape[0]):
+        total = total + parts[i]
+    return total
 
 
 def _two_shot(x: jax.Array, axis: str, n: int) -> jax.Array:
@@ -91,14 +118,19 @@ def all_gather(x: jax.Array, axis: str = TP, dim: int = -1) -> jax.Array:
 
 
 def reduce_scatter(x: jax.Array, axis: str = TP, dim: int = -1) -> jax.Array:
-    """Sum over `axis`, then member i keeps the i-th of n equal chunks along `dim`."""
+    """Sum over `axis`, then member i keeps the i-th of n equal chunks along `dim`. Where `default_strategy()` is
+    "ordered" the chunks are exchanged (an all-to-all, exact), then added in rank order (the module doc)."""
     n = axis_size(axis)
     if n == 1:
         return x
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} does not split "
                          f"into {n} equal chunks; pad it to a multiple of {n}.")
-    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim % x.ndim, tiled=True)
+    dim = dim % x.ndim
+    if default_strategy() != "ordered":
+        return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+    chunks = jnp.stack(jnp.split(x, n, axis=dim))                  # [n, ...]: chunk j goes to member j
+    return ordered_sum(jax.lax.all_to_all(chunks, axis, split_axis=0, concat_axis=0, tiled=True))
 
 
 def broadcast(x: jax.Array, src: int = 0, axis: str = TP) -> jax.Array:

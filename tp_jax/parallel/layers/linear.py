@@ -188,7 +188,8 @@ class RowParallelLinear(_Linear):
       input_is_parallel: False takes the full X[..., D] and keeps this rank's slice.
       reduce_results: False returns the partial sum X_i A_i (+ b on rank 0 only), for a
         caller that reduces later.
-      reduce_strategy: the all-reduce ("psum", "one_shot", "two_shot", "auto").
+      reduce_strategy: the all-reduce (`collectives.STRATEGIES`; None: `collectives.default_strategy()`,
+        the same bits in one process or many on CPU).
       in_rows: [tp, D/tp] checkpoint input columns each rank holds (-1 = a zero row), e.g.
         o_proj under a head plan with padded heads (see `over_heads`).
       hf_in_features: the checkpoint weight's input size when it differs from D (padding).
@@ -199,12 +200,12 @@ class RowParallelLinear(_Linear):
 
     def __init__(self, in_features: int, out_features: int, *, tp_size: int = 1, bias: bool = True,
                  input_is_parallel: bool = True, reduce_results: bool = True,
-                 reduce_strategy: str = "psum", in_rows: np.ndarray | None = None,
+                 reduce_strategy: str | None = None, in_rows: np.ndarray | None = None,
                  hf_in_features: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs, kernel_init=None,
                  method: LinearMethod | None = None):
         name = type(self).__name__
         self.in_local = split_size(in_features, tp_size, "in_features", name)
-        if reduce_strategy not in collectives.STRATEGIES:
+        if reduce_strategy is not None and reduce_strategy not in collectives.STRATEGIES:
             raise ValueError(f"{name}: reduce_strategy={reduce_strategy!r}; choose one of "
                              f"{collectives.STRATEGIES}.")
         if in_rows is not None and np.shape(in_rows) != (tp_size, self.in_local):

@@ -37,7 +37,13 @@ Dispatch (local): assignments (token, choice) are either
 * "dense": every local expert on every token as batched GEMMs, weighted by the routing matrix
   (zero where not routed): each local weight read once; for large steps on CPU.
 "auto": gather when the step's assignments are at most the local experts (decode: cost follows
-the routed experts, not the total), else dense on CPU and ragged elsewhere.
+the routed experts, not the total), else dense on CPU and ragged elsewhere. On CPU the choice cannot
+change a token's numbers (the numeric contract, docs/design.md): gather and dense give every token
+the same bits (tests/test_moe_dispatch.py), since each expert's dot gives a row the same bits as a
+matrix-vector product or inside a GEMM there (XLA:CPU's consistent dots, tp_jax/parallel/invariant.py),
+and both weight and add a token's k expert outputs alike, in its choice order. (Dense once summed
+them as a dot over every local expert, zeros included: another order, and a decode row's last bits
+changed with the number of rows beside it.)
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ import numpy as np
 from flax import nnx
 
 from tp_jax.parallel import collectives
-from tp_jax.parallel.invariant import row_softmax
+from tp_jax.parallel.invariant import row_softmax, row_sum, row_tiled
 from tp_jax.parallel.layers.base import ParallelModule, check_tp_size, default_kernel_init
 from tp_jax.parallel.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tp_jax.parallel.layers.loading import ExpertParam, PartRows, ShardedParam, contiguous_rows
@@ -287,20 +293,20 @@ class Experts(ParallelModule):
         h = self._biased(self._scaled(h, "gate_up", slot), "gate_up", slot)
         o = jnp.einsum("af,afd->ad", self._swiglu(h), self._kernel("down", slot), preferred_element_type=jnp.float32)
         o = self._biased(self._scaled(o, "down", slot), "down", slot)
-        return (o * w[:, None]).reshape(-1, k, o.shape[-1]).sum(axis=1)
+        return _combine(o.reshape(-1, k, o.shape[-1]), w.reshape(-1, k))
 
     def _dense(self, x, slot, held, w, k):
-        """Every local expert on every token, weighted by a [M, E_local] routing matrix (zero where not
-        routed): one read of the local weights as batched GEMMs, for large steps on CPU."""
+        """Every local expert on every token as batched GEMMs (one read of the local weights), for large steps on
+        CPU; each token then keeps its k experts' outputs, combined as `_gather` does (bit for bit)."""
         m = x.shape[0]
-        route = jnp.zeros((m, self.local_experts), jnp.float32).at[jnp.repeat(jnp.arange(m), k), slot].add(w)
         xe = jnp.broadcast_to(x, (self.local_experts, *x.shape))               # batched form: XLA:CPU's
         h = jnp.einsum("emd,edf->emf", xe, self._kernel("gate_up"),          # (md,edf measured slower)
                        preferred_element_type=jnp.float32)
         h = self._biased(self._scaled(h, "gate_up"), "gate_up")
         o = jnp.einsum("emf,efd->emd", self._swiglu(h), self._kernel("down"), preferred_element_type=jnp.float32)
-        o = self._biased(self._scaled(o, "down"), "down")
-        return jnp.einsum("emd,me->md", o, route)
+        o = self._biased(self._scaled(o, "down"), "down")                      # [E_local, M, D]
+        chosen = o[slot.reshape(m, k), jnp.arange(m)[:, None]]                  # [M, k, D]
+        return _combine(chosen, w.reshape(m, k))
 
     def _ragged(self, x, slot, held, w, k):
         key = jnp.where(held, slot, self.local_experts)                         # not held: after every group
@@ -315,6 +321,15 @@ class Experts(ParallelModule):
         o = self._biased(self._scaled(o, "down", sorted_slot), "down", sorted_slot)
         o = jnp.where(held[order][:, None], o, 0.0) * w[order][:, None]
         return jnp.zeros((x.shape[0], o.shape[-1]), jnp.float32).at[tok].add(o)
+
+
+def _combine(o: jax.Array, w: jax.Array) -> jax.Array:
+    """o[M, k, D] (each token's k expert outputs, float32), w[M, k] -> sum_j w_j o_j [M, D], added in choice order:
+    the one combination of every dispatch but ragged's, so each token's sum is the same bits whichever ran."""
+    out = o[:, 0] * w[:, 0, None]
+    for j in range(1, o.shape[1]):
+        out = out + o[:, j] * w[:, j, None]
+    return out
 
 
 class Router(ReplicatedLinear):
@@ -398,8 +413,9 @@ class FusedMoE(ParallelModule):
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x[M, D] -> (experts[M, k] int32, weights[M, k] float32): scores of float32 logits, (grouped) top-k."""
-        if isinstance(self.gate.method, Unquantized):
-            logits = jnp.dot(x, self.gate.kernel[...], preferred_element_type=jnp.float32)
+        if isinstance(self.gate.method, Unquantized):                           # batch-invariant (invariant.py)
+            logits = row_tiled(lambda rows: jnp.dot(rows, self.gate.kernel[...], preferred_element_type=jnp.float32),
+                               x)
         else:
             logits = self.gate.method.apply(self.gate, x).astype(jnp.float32)
         if self.gate.bias is not None:
@@ -412,7 +428,7 @@ class FusedMoE(ParallelModule):
             _, experts = jax.lax.top_k(self._kept_groups(choice), self.top_k)
             weights = jnp.take_along_axis(scores, experts, axis=-1)              # the un-biased scores
         if self.renormalize:
-            total = jnp.sum(weights, axis=-1, keepdims=True)
+            total = row_sum(weights, keepdims=True)
             weights = weights / (total + 1e-20 if self.scoring == "sigmoid" else total)
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor

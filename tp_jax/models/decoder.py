@@ -22,9 +22,9 @@ traces exactly as before.
 
 The config says what each part is: the norm kind (`NORMS`), the biases, the q/k norm, the
 window, the rotary embedding, the activation (`ACTIVATIONS`) and the feed-forward part
-(`FEED_FORWARDS`: `feed_forward="dense"` today; a Mixture-of-Experts block plugs in as one more
-entry, built as `make(cfg, tp, dtype, rngs)` and called as `mlp(x)` on local shapes
-x[B, T, D] -> [B, T, D], its all-reduce inside). A model file states its architecture as a
+(`FEED_FORWARDS`: "dense", and "moe", which tp_jax/models/moe.py adds; each built as
+`make(cfg, tp, dtype, rngs)` and called as `mlp(x)` on local shapes x[B, T, D] -> [B, T, D], its
+all-reduce inside). A model file states its architecture as a
 config map (HF fields -> `DecoderConfig`), not as subclasses; `tp_jax/models/causal_lm.py` wraps the
 layers in the one causal-LM shell. Everything runs inside `shard_map` on local shapes.
 """
@@ -43,7 +43,7 @@ from tp_jax.models.attention import FULL_WINDOW, attend
 from tp_jax.models.cache import LayerCache
 from tp_jax.models.config import ModelConfig
 from tp_jax.models.mla import MLAConfig, MLAttention
-from tp_jax.models.rope import RopeConfig, apply_rope, for_context, inv_freq
+from tp_jax.models.rope import RopeConfig, for_context, inv_freq, rotate_together
 from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
 from tp_jax.parallel.layers.norm import GemmaRMSNorm, QKNorm, RMSNorm
@@ -217,7 +217,7 @@ class Attention(nnx.Module):
             if self.layer_freqs is not None:
                 freq = jnp.asarray(np.asarray(self.layer_freqs, np.float32))[layer]
             scale = self.rope_scale
-            q, k = apply_rope(q, positions, freq, scale), apply_rope(k, positions, freq, scale)
+            q, k = rotate_together(q, k, positions, freq, scale)
         window = self.window
         if self.layer_windows is not None:
             window = jnp.asarray(np.asarray(self.layer_windows, np.int32))[layer]

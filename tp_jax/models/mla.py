@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tp_jax.models.attention import attend
-from tp_jax.models.rope import RopeConfig, apply_rope, inv_freq, yarn_softmax_scale
+from tp_jax.models.rope import RopeConfig, inv_freq, rotate_together, yarn_softmax_scale
+from tp_jax.parallel.invariant import row_tiled
 from tp_jax.parallel.layers import ColumnParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear
 
 LATENT_NORM_EPS = 1e-6            # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
@@ -113,8 +114,8 @@ class MLAttention(nnx.Module):
         q_nope, q_pe = q[..., :m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
         kv = self.kv_a_proj_with_mqa(x)                                            # [B, T, r + rope]
         c = self.kv_a_layernorm(kv[..., :m.kv_lora_rank])
-        q_pe, k_pe = (apply_rope(z, positions, self.freq, self.rope_scale, interleaved=m.rope_interleave)
-                      for z in (q_pe, kv[..., None, m.kv_lora_rank:]))             # k_pe [B, T, 1, rope]
+        q_pe, k_pe = rotate_together(q_pe, kv[..., None, m.kv_lora_rank:], positions, self.freq, self.rope_scale,
+                                     interleaved=m.rope_interleave)                # k_pe [B, T, 1, rope]
         if cache is None:
             out = self._expanded(q_nope, q_pe, c, k_pe, positions)
         else:
@@ -138,10 +139,20 @@ class MLAttention(nnx.Module):
     def _absorbed(self, q_nope, q_pe, c, k_pe, positions, cache):
         w_uk, w_uv = self._up()
         dtype = q_nope.dtype
-        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(dtype)
+        q_lat = _per_token(lambda z: jnp.einsum("mhn,rhn->mhr", z, w_uk, preferred_element_type=jnp.float32),
+                           q_nope).astype(dtype)
         q = jnp.concatenate([q_lat, q_pe], axis=-1)                                # [B, T, H_tp, r + rope]
         latent = jnp.concatenate([c[:, :, None, :], k_pe], axis=-1)                # [B, T, 1, r + rope]
         o_lat, cache = attend(q, latent, None, positions, cache, scale=self.scale, v_dim=self.m.kv_lora_rank)
         o_lat = o_lat.reshape(*o_lat.shape[:2], self.local_heads, self.m.kv_lora_rank)
-        out = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv, preferred_element_type=jnp.float32).astype(dtype)
+        out = _per_token(lambda z: jnp.einsum("mhr,rhv->mhv", z, w_uv, preferred_element_type=jnp.float32),
+                         o_lat).astype(dtype)
         return out.reshape(*out.shape[:2], -1), cache
+
+
+def _per_token(dot, z: jax.Array) -> jax.Array:
+    """dot(z[M, ...]) over the tokens of z[B, T, ...] in tiles of rows (`row_tiled`, batch-invariant): these per-head
+    dots read kv_b_proj's kernel outside a linear layer, so they tile their rows themselves."""
+    b, t = z.shape[:2]
+    y = row_tiled(dot, z.reshape(b * t, *z.shape[2:]))
+    return y.reshape(b, t, *y.shape[1:])

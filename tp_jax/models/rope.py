@@ -216,6 +216,17 @@ def _yarn_dim(rotations: float, rope: RopeConfig, dim: int) -> float:
     return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
 
 
+def rotate_together(q: jax.Array, k: jax.Array, positions: jax.Array, freq, scale: float = 1.0,
+                    interleaved: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(apply_rope(q), apply_rope(k)) for q[B, T, Hq, hd], k[B, T, Hk, hd], rotated as one array of Hq + Hk heads:
+    rotated apart, XLA:CPU fused a key's rotation into the KV pool's write, where a token's cached key got other
+    bits beside other tokens when a rank held few key values per token (one head of 4 or 8 dims; the numeric
+    contract, tests/test_batch_invariance_models.py)."""
+    hq = q.shape[2]
+    both = apply_rope(jnp.concatenate([q, k.astype(q.dtype)], axis=2), positions, freq, scale, interleaved)
+    return both[:, :, :hq], both[:, :, hq:].astype(k.dtype)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, freq, scale: float = 1.0, interleaved: bool = False) -> jax.Array:
     """x[B, T, H, hd] rotated by positions[B, T]: the first 2 * len(freq) dims of each head (all of them unless the
     rotary is partial), cos and sin scaled by `scale` (LongRoPE's / YaRN's attention factor). `interleaved`: those

@@ -12,6 +12,7 @@ rounding downstream turns into different tokens. What keeps a row's numbers its 
     row_log_softmax(x)  (inside the engine's step, jax.nn's sum moved a logprob's last bit with the rows)
     row_tiled(dot, x)   dot(x[M, K]) -> [M, F] with every float32 dot over exactly ROW_TILE rows (M = 1
                         padded to 2): XLA:CPU's kernel for 2-32 rows sums each row alike whatever the rows
+                        (more inputs of M rows may follow x, tiled alike: the MoE block's routing)
 
     consistent_jit(f)   jax.jit(f) compiled with three XLA:CPU options (CONSISTENT_MATH):
                         platform-dependent math off: no approximate reciprocals or square roots in vector
@@ -76,15 +77,17 @@ def row_log_softmax(x: jax.Array) -> jax.Array:
     return shifted - jnp.log(row_sum(jnp.exp(shifted), keepdims=True))
 
 
-def row_tiled(dot: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
-    """dot(x) for x[M, K] -> [M, F], every call of `dot` on a fixed number of rows: M = 1 padded to 2, up to
-    ROW_TILE rows at once, more in tiles of ROW_TILE (`lax.map`), the last one zero-padded. Off CPU: dot(x)."""
+def row_tiled(dot: Callable[..., jax.Array], x: jax.Array, *more: jax.Array) -> jax.Array:
+    """dot(x, *more) for x[M, K] (and `more`: other inputs of M rows, tiled alike) -> [M, ...], every call of `dot` on
+    a fixed number of rows: M = 1 padded to 2, up to ROW_TILE rows at once, more in tiles of ROW_TILE (`lax.map`),
+    the last one zero-padded. Off CPU: dot(x, *more)."""
     m = x.shape[0]
     if jax.default_backend() != "cpu" or 1 < m <= ROW_TILE:
-        return dot(x)
+        return dot(x, *more)
+    rows = 2 if m == 1 else -(-m // ROW_TILE) * ROW_TILE
+    padded = [jnp.pad(a, ((0, rows - m),) + ((0, 0),) * (a.ndim - 1)) for a in (x, *more)]
     if m == 1:
-        return dot(jnp.pad(x, ((0, 1), (0, 0))))[:1]
-    n = -(-m // ROW_TILE)
-    xs = jnp.pad(x, ((0, n * ROW_TILE - m), (0, 0))).reshape(n, ROW_TILE, x.shape[1])
-    y = jax.lax.map(dot, xs)
-    return y.reshape(n * ROW_TILE, y.shape[-1])[:m]
+        return dot(*padded)[:1]
+    n = rows // ROW_TILE
+    y = jax.lax.map(lambda t: dot(*t), tuple(a.reshape(n, ROW_TILE, *a.shape[1:]) for a in padded))
+    return y.reshape(rows, *y.shape[2:])[:m]

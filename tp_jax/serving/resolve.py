@@ -233,9 +233,6 @@ class EngineSetup:
         """Why a request's numbers can change beside other requests (None: they cannot)."""
         if self.quantization in NOT_BATCH_INVARIANT:
             return f"{self.quantization} {NOT_BATCH_INVARIANT[self.quantization]}"
-        if self.checkpoint.experts and self.platform.backend == "cpu" and self.dtype != "float32":
-            return (f"dtype {self.dtype}: the MoE block's gather and dense dispatches give a token other bits in a "
-                    f"16-bit dtype on CPU, and 'auto' picks one by the step's tokens (in float32 they agree)")
         if self.platform.backend == "cpu" and self.platform.llvm_level < 3:
             return (f"XLA_FLAGS sets --xla_backend_optimization_level={self.platform.llvm_level}: below XLA:CPU's "
                     f"default 3, a float32 logprob moved by 1 ulp beside other requests")

@@ -34,16 +34,15 @@ Dispatch (local): assignments (token, choice) are either
 * "ragged": assignments sorted by expert, one `jax.lax.ragged_dot` per projection (XLA's grouped
   GEMM on GPU/TPU; on CPU jax lowers it to a masked dot over every group, measured far slower
   than the others by scripts/bench_moe.py), or
-* "dense": every local expert on every token as batched GEMMs, weighted by the routing matrix
-  (zero where not routed): each local weight read once; for large steps on CPU.
-"auto": gather when the step's assignments are at most the local experts (decode: cost follows
-the routed experts, not the total), else dense on CPU and ragged elsewhere. On CPU the choice cannot
-change a token's numbers (the numeric contract, docs/design.md): gather and dense give every token
-the same bits (tests/test_moe_dispatch.py), since each expert's dot gives a row the same bits as a
-matrix-vector product or inside a GEMM there (XLA:CPU's consistent dots, tp_jax/parallel/invariant.py),
-and both weight and add a token's k expert outputs alike, in its choice order. (Dense once summed
-them as a dot over every local expert, zeros included: another order, and a decode row's last bits
-changed with the number of rows beside it.)
+* "dense": every local expert on every token as batched GEMMs, each token keeping its k experts'
+  outputs: each local weight read once per tile of 32 tokens.
+"auto": on CPU gather, for every step (the numeric contract, docs/design.md: what auto picks never depends on the
+step's size). Gather's dots have one shape per assignment, so a token's numbers are its own whatever the step;
+dense's batched dots over the experts gave a token other bits alone than among 32 others, and gather and dense
+give a token other bits (tests/test_moe_dispatch.py), so choosing between them by the step's tokens, as auto
+once did, moved a decode row's logprobs with its neighbours. Gather is the faster of the two for decode and
+the slower for long prefill steps on CPU (scripts/bench_moe.py, docs/performance.md). Elsewhere: gather when
+the step's assignments are at most the local experts, else ragged.
 """
 
 from __future__ import annotations
@@ -62,6 +61,7 @@ from tp_jax.parallel.layers.method import EXPERTS, UNQUANTIZED, LinearMethod, Un
 from tp_jax.parallel.mesh import DP, TP
 
 DISPATCHES = ("auto", "gather", "ragged", "dense")
+GATHER_TILE_BYTES = 256 << 20                      # the most expert weight bytes one gathered tile copies
 SCORINGS = ("softmax", "sigmoid")                  # the router's scores (vLLM's scoring_func)
 GROUP_SCORES = ("max", "top2_sum")                 # a group's score: DeepSeek-V2's max, V3's sum of its top 2
 ACTIVATIONS = ("silu", "swigluoai")                # the experts' SwiGLU: plain, or gpt-oss's clamped one
@@ -245,8 +245,7 @@ class Experts(ParallelModule):
         slot, held = self.local_slot(experts.reshape(-1))
         w = jnp.where(held, weights.reshape(-1), 0.0)
         if dispatch == "auto":
-            dispatch = "gather" if m * k <= self.local_experts else \
-                "dense" if jax.default_backend() == "cpu" else "ragged"
+            dispatch = "gather" if jax.default_backend() == "cpu" or m * k <= self.local_experts else "ragged"
         run = {"gather": self._gather, "ragged": self._ragged, "dense": self._dense}[dispatch]
         return run(x, slot, held, w, k)
 
@@ -288,16 +287,41 @@ class Experts(ParallelModule):
         return y + (b[slot] if slot is not None else b[:, None, :])
 
     def _gather(self, x, slot, held, w, k):
+        """Each assignment's expert weights gathered by index, one matrix-vector product each (one shape per
+        assignment: batch-invariant), in tiles of at most `gather_tile()` assignments (the gathered copies bounded)."""
         xs = jnp.repeat(x, k, axis=0)                                           # [A, D], token-major
+        a, tile = xs.shape[0], self.gather_tile()
+        if a <= tile:
+            o = self._gather_rows(xs, slot)
+        else:
+            n = -(-a // tile)
+            pad = lambda v: jnp.pad(v, ((0, n * tile - a),) + ((0, 0),) * (v.ndim - 1))  # noqa: E731
+            o = jax.lax.map(lambda t: self._gather_rows(*t), (pad(xs).reshape(n, tile, -1),
+                                                             pad(slot).reshape(n, tile)))
+            o = o.reshape(n * tile, -1)[:a]
+        return _combine(o.reshape(-1, k, o.shape[-1]), w.reshape(-1, k))
+
+    def gather_tile(self) -> int:
+        """Assignments per gathered tile: as many as GATHER_TILE_BYTES of their experts' weights (a fixed number
+        for the model, never the step's)."""
+        per = sum(int(np.prod(getattr(self, n).shape[1:])) for n in ("gate_up", "down")) * \
+            jnp.dtype(self.param_dtype).itemsize
+        return max(1, GATHER_TILE_BYTES // per)
+
+    def _gather_rows(self, xs, slot):
         h = jnp.einsum("ad,adf->af", xs, self._kernel("gate_up", slot), preferred_element_type=jnp.float32)
         h = self._biased(self._scaled(h, "gate_up", slot), "gate_up", slot)
         o = jnp.einsum("af,afd->ad", self._swiglu(h), self._kernel("down", slot), preferred_element_type=jnp.float32)
-        o = self._biased(self._scaled(o, "down", slot), "down", slot)
-        return _combine(o.reshape(-1, k, o.shape[-1]), w.reshape(-1, k))
+        return self._biased(self._scaled(o, "down", slot), "down", slot)
 
     def _dense(self, x, slot, held, w, k):
-        """Every local expert on every token as batched GEMMs (one read of the local weights), for large steps on
-        CPU; each token then keeps its k experts' outputs, combined as `_gather` does (bit for bit)."""
+        """Every local expert on every token as batched GEMMs (one read of the local weights per tile of rows),
+        each token then keeping its k experts' outputs, added in its choice order (`_combine`); in tiles of a fixed
+        number of rows (`row_tiled`), so a token's numbers never depend on the rows beside it."""
+        m = x.shape[0]
+        return row_tiled(self._dense_rows, x, slot.reshape(m, k), w.reshape(m, k))
+
+    def _dense_rows(self, x, slot, w):
         m = x.shape[0]
         xe = jnp.broadcast_to(x, (self.local_experts, *x.shape))               # batched form: XLA:CPU's
         h = jnp.einsum("emd,edf->emf", xe, self._kernel("gate_up"),          # (md,edf measured slower)
@@ -305,8 +329,7 @@ class Experts(ParallelModule):
         h = self._biased(self._scaled(h, "gate_up"), "gate_up")
         o = jnp.einsum("emf,efd->emd", self._swiglu(h), self._kernel("down"), preferred_element_type=jnp.float32)
         o = self._biased(self._scaled(o, "down"), "down")                      # [E_local, M, D]
-        chosen = o[slot.reshape(m, k), jnp.arange(m)[:, None]]                  # [M, k, D]
-        return _combine(chosen, w.reshape(m, k))
+        return _combine(o[slot, jnp.arange(m)[:, None]], w)                     # [M, k, D] -> [M, D]
 
     def _ragged(self, x, slot, held, w, k):
         key = jnp.where(held, slot, self.local_experts)                         # not held: after every group
@@ -324,8 +347,8 @@ class Experts(ParallelModule):
 
 
 def _combine(o: jax.Array, w: jax.Array) -> jax.Array:
-    """o[M, k, D] (each token's k expert outputs, float32), w[M, k] -> sum_j w_j o_j [M, D], added in choice order:
-    the one combination of every dispatch but ragged's, so each token's sum is the same bits whichever ran."""
+    """o[M, k, D] (each token's k expert outputs, float32), w[M, k] -> sum_j w_j o_j [M, D], added in choice order
+    (gather's and dense's combination: a token's own numbers, whatever M)."""
     out = o[:, 0] * w[:, 0, None]
     for j in range(1, o.shape[1]):
         out = out + o[:, j] * w[:, j, None]

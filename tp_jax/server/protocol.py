@@ -291,6 +291,13 @@ def requested_logprobs(request: CompletionRequest | ChatCompletionRequest) -> in
     return request.logprobs
 
 
+def _engine_logprobs(r: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The logprobs the engine computes: the requested ones, or 0 for best_of > n, which ranks its samples by
+    cumulative_logprob (None without logprobs, as in vLLM); the answer shows only the requested ones."""
+    n = requested_logprobs(r)
+    return 0 if n is None and (r.best_of or 0) > r.n else n
+
+
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                     structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's SamplingParams (ValueError naming the field if the engine refuses a value);
@@ -302,7 +309,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
         presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, seed=r.seed,
         stop=r.stop, stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos,
-        logprobs=requested_logprobs(r), include_stop_str_in_output=r.include_stop_str_in_output,
+        logprobs=_engine_logprobs(r), include_stop_str_in_output=r.include_stop_str_in_output,
         prompt_logprobs=r.engine_prompt_logprobs if isinstance(r, CompletionRequest) else r.prompt_logprobs,
         structured_outputs=structured_outputs, min_tokens=r.min_tokens,
         logit_bias={int(k): v for k, v in (r.logit_bias or {}).items()}, skip_special_tokens=r.skip_special_tokens)

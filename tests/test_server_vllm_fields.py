@@ -124,7 +124,7 @@ def test_fields_vllm_ignores_are_accepted_and_said_once(tiny_server, client):
 
 
 def test_best_of_answers_the_most_likely_of_its_samples(client, ref):
-    samples = ref.generate(["Once"], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5))[0].outputs
+    samples = ref.generate(["Once"], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5, logprobs=0))[0].outputs
     best = max(samples, key=lambda c: c.cumulative_logprob)
     r = client.completions.create(model="tiny", prompt="Once", max_tokens=6, temperature=1.0, seed=5, best_of=3, n=1)
     assert [c.text for c in r.choices] == [best.text] and len({c.text for c in samples}) > 1
@@ -169,4 +169,6 @@ def test_deprecated_functions_stream_function_call_deltas(client):
     calls = [d.function_call for d in deltas if d.function_call is not None]
     assert calls[0].name == "lookup" and all(c.name is None for c in calls[1:])
     assert "".join(c.arguments or "" for c in calls) == whole.message.function_call.arguments
-    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    # a forced call: the whole answer ends "stop" (OpenAI's and vLLM's), the stream as vLLM's streams of calls end
+    assert (whole.finish_reason, chunks[-1].choices[0].finish_reason) in (("stop", "function_call"),
+                                                                         ("length", "length"))

@@ -54,7 +54,7 @@ def workload(vocab: int, longest: int, seed: int = 0):
 
 def trace(out):
     c = out.outputs[0]
-    return c.token_ids, np.array([lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
+    return c.token_ids, np.array([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
 
 
 def compare(llm, longest: int) -> list[tuple[list[int], np.ndarray, list[int], np.ndarray]]:

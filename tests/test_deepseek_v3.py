@@ -30,9 +30,9 @@ def test_absorbed_decode_equals_expanded_prefill(ds3_references, tp):
                                                 logprobs=0, prompt_logprobs=0))[0]
     seq = prompt + list(out.outputs[0].token_ids)
     expanded = np.asarray(jax.nn.log_softmax(llm.get_logits(np.asarray([seq]))[0].astype(np.float32), axis=-1))
-    prefill = [lp[tok] for lp, tok in zip(out.prompt_logprobs[1:], prompt[1:])]
+    prefill = [lp[tok].logprob for lp, tok in zip(out.prompt_logprobs[1:], prompt[1:])]
     assert np.abs(np.asarray(prefill) - expanded[np.arange(len(prompt) - 1), prompt[1:]]).max() <= TOL
-    decode = [lp[tok] for lp, tok in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+    decode = [lp[tok].logprob for lp, tok in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
     at = np.arange(len(prompt) - 1, len(seq) - 1)
     assert np.abs(np.asarray(decode) - expanded[at, seq[len(prompt):]]).max() <= TOL
 

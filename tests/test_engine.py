@@ -64,7 +64,7 @@ def test_paged_decode_equals_uncached_forward(hf_refs, tp):
         full = llm.get_logits([p + toks[:-1]])[0, len(p) - 1:]
         ref = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
             full.max(-1, keepdims=True)
-        got = np.array([lp[t] for t, lp in zip(toks, o.outputs[0].logprobs)])
+        got = np.array([lp[t].logprob for t, lp in zip(toks, o.outputs[0].logprobs)])
         worst = float(np.abs(got - ref[np.arange(len(toks)), toks]).max())
         assert worst <= 1e-4, worst
         assert toks == [int(np.argmax(r)) for r in full]
@@ -92,7 +92,7 @@ def test_logprobs_match_forward(hf_refs):
     full = llm.get_logits([PROMPTS[0] + out.token_ids[:-1]])[0, len(PROMPTS[0]) - 1:]
     ref = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1, keepdims=True)
     for t, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
-        assert lp[tok] == pytest.approx(ref[t, tok], abs=1e-4)
+        assert lp[tok].logprob == pytest.approx(ref[t, tok], abs=1e-4)
         top3 = np.argsort(-ref[t])[:3]
         assert set(top3) <= set(lp)
     assert out.cumulative_logprob == pytest.approx(sum(ref[t, k] for t, k in enumerate(out.token_ids)), abs=1e-3)

@@ -85,5 +85,5 @@ def test_front_door_is_clear_or_correct(llm, kw, prompts):
             assert (c.logprobs is None) == (params.logprobs is None)
         if params.prompt_logprobs is not None:
             assert len(o.prompt_logprobs) == len(o.prompt_token_ids) and o.prompt_logprobs[0] is None
-            assert all(t in d and len(d) <= params.prompt_logprobs + 1 and all(x <= 0 for x in d.values())
+            assert all(t in d and len(d) <= params.prompt_logprobs + 1 and all(x.logprob <= 0 for x in d.values())
                        for t, d in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:]))

@@ -98,7 +98,7 @@ def mixed(requests):
 
 def traces(outs):
     """(tokens, their logprobs) of each output's one sample."""
-    return [(c.token_ids, np.array([lp[t] for lp, t in zip(c.logprobs or [], c.token_ids)]))
+    return [(c.token_ids, np.array([lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)]))
             for c in (o.outputs[0] for o in outs)]
 
 

@@ -38,7 +38,7 @@ def check_against(ref: np.ndarray, prompt: list[int], got: list, k: int) -> floa
         row, entry = ref[i - 1], got[i]
         top = np.argsort(-row)[:k]
         assert set(entry) == {prompt[i], *top.tolist()}, (i, entry, top)
-        worst = max(worst, *(abs(lp - row[t]) for t, lp in entry.items()))
+        worst = max(worst, *(abs(lp.logprob - row[t]) for t, lp in entry.items()))
     return worst
 
 
@@ -121,5 +121,5 @@ def test_max_tokens_zero_scores_the_prompt_only(model):
     mixed = llm.generate(prompts[1:], [SamplingParams(max_tokens=0, prompt_logprobs=2), plain])[1].outputs[0]
     alone = llm.generate(prompts[2], plain)[0].outputs[0]       # a request beside a scored one keeps its tokens
     assert mixed.token_ids == alone.token_ids
-    np.testing.assert_allclose([d[t] for t, d in zip(mixed.token_ids, mixed.logprobs)],
-                               [d[t] for t, d in zip(alone.token_ids, alone.logprobs)], atol=1e-6)
+    np.testing.assert_allclose([d[t].logprob for t, d in zip(mixed.token_ids, mixed.logprobs)],
+                               [d[t].logprob for t, d in zip(alone.token_ids, alone.logprobs)], atol=1e-6)

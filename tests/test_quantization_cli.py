@@ -30,7 +30,7 @@ def test_generate_int8_is_the_script_and_the_library(tiny_path):
     expected = {}
     for q in ("int8", None):
         outs = LLM(tiny_path, tensor_parallel_size=2, quantization=q, progress=False).generate(PROMPTS, params)
-        expected[q] = [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+        expected[q] = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
     got = np.array(logprobs_of(lines))
     np.testing.assert_allclose(got, np.array(expected["int8"]), rtol=0, atol=1e-5)
     assert np.abs(got - np.array(expected[None])).max() > 1e-4          # float32 weights give other numbers

@@ -336,6 +336,8 @@ def test_logprobs_are_raw_log_softmax():
     want = log_softmax(logits)                                 # raw: no penalties, no temperature
     np.testing.assert_allclose(lp.logprob, want[np.arange(4), np.asarray(tokens)], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(lp.top_ids, np.argsort(-want, axis=-1)[:, :5])
+    chosen = want[np.arange(4), np.asarray(tokens)]
+    np.testing.assert_array_equal(lp.rank, (want >= chosen[:, None]).sum(-1))      # vLLM's rank: tokens at least as likely
     np.testing.assert_allclose(lp.top_logprobs, -np.sort(-want, axis=-1)[:, :5], rtol=1e-5, atol=1e-5)
     _, all_lp = sample(jnp.asarray(padded), t, 3, num_logprobs=48)
     assert np.isneginf(np.asarray(all_lp.top_logprobs)[:, 40:]).all()

@@ -59,7 +59,7 @@ def test_logit_bias_moves_the_choice_as_transformers_sequence_bias_and_logprobs_
     expected, raw = hf_generate(hf, PROMPT, 6, sequence_bias={(t,): b for t, b in bias.items()})
     assert out.token_ids == expected and out.token_ids != plain.token_ids
     lp = log_softmax(raw)                                   # the unbiased distribution's logprobs
-    np.testing.assert_allclose([d[t] for d, t in zip(out.logprobs, out.token_ids)],
+    np.testing.assert_allclose([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)],
                                lp[np.arange(6), expected], atol=2e-4)
     sampled = ref.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True,
                                                     logit_bias={1000: 100.0}))[0].outputs[0]
@@ -99,7 +99,8 @@ def test_prompt_logprobs_carry_the_prompt_tokens_rank_as_transformers_counts_it(
     for i, entry in enumerate(out.prompt_logprobs[1:]):                          # token i + 1, scored at position i
         own = lp[i, PROMPT[i + 1]]
         lo, hi = (int((lp[i] > own + d).sum()) + 1 for d in (2e-4, -2e-4))      # within roundoff of the reference
-        assert lo <= entry.rank <= hi, (i, entry.rank, lo, hi)
+        rank = entry[PROMPT[i + 1]].rank
+        assert lo <= rank <= hi, (i, rank, lo, hi)
 
 
 def test_skip_special_tokens_false_keeps_them_as_transformers_decode_does(ref):

@@ -126,7 +126,7 @@ def test_logprobs_match_the_engine(client, ref):
     lp = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3,
                                    extra_body={"ignore_eos": True}).choices[0].logprobs
     assert lp.tokens == [tok.decode([t]) for t in exp.token_ids]
-    np.testing.assert_allclose(lp.token_logprobs, [d[t] for t, d in zip(exp.token_ids, exp.logprobs)], atol=1e-4)
+    np.testing.assert_allclose(lp.token_logprobs, [d[t].logprob for t, d in zip(exp.token_ids, exp.logprobs)], atol=1e-4)
     for top, chosen in zip(lp.top_logprobs, lp.token_logprobs):
         assert len(top) == 3 and max(top.values()) == pytest.approx(chosen, abs=1e-6)     # greedy: the top one
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])

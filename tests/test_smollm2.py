@@ -111,7 +111,7 @@ def test_cached_decode_matches_full_forward(gguf_llms, tok):
     toks = out.outputs[0].token_ids
     full = llm.get_logits([ids + toks[:-1]])[0, len(ids) - 1:].astype(np.float64)
     ref = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1, keepdims=True)
-    got = np.array([lp[t] for t, lp in zip(toks, out.outputs[0].logprobs)])
+    got = np.array([lp[t].logprob for t, lp in zip(toks, out.outputs[0].logprobs)])
     assert np.abs(got - ref[np.arange(len(toks)), toks]).max() <= 1e-4
     assert toks == [int(t) for t in full.argmax(-1)]
 

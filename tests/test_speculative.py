@@ -137,8 +137,8 @@ def _check_greedy(llm, plain, refs, mesh):
     outs = llm.generate(PROMPTS, params)
     assert _ids(outs) == _ids(plain) == refs
     for o, p in zip(outs, plain):                        # each token's logprob, as plain decoding scored it
-        got = [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-        want = [lp[t] for t, lp in zip(p.outputs[0].token_ids, p.outputs[0].logprobs)]
+        got = [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+        want = [lp[t].logprob for t, lp in zip(p.outputs[0].token_ids, p.outputs[0].logprobs)]
         np.testing.assert_allclose(got, want, atol=2e-5 if mesh != (1, 1, 1) else 0)
     core = llm.engine.core
     assert core.spec.accepted_tokens > 10 and core.spec.draft_tokens > core.spec.accepted_tokens  # both paths ran

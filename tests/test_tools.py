@@ -134,7 +134,10 @@ def test_named_streams_arguments_as_sampled_and_a_cut_short_required_answer_is_t
     first = deltas[0][0]["tool_calls"][0]
     assert first["function"]["name"] == "get_time" and first["id"].startswith("call_")
     assert "".join(d["tool_calls"][0]["function"]["arguments"] for d, _ in deltas if d) == args
-    assert deltas[-1][1] == "tool_calls"
+    assert deltas[-1][1] == "tool_calls"                 # vLLM's stream: tools streamed end with tool_calls
+    msg, reason = ToolMode("named", TOOLS, name="get_time").message(args, "stop")
+    assert msg["tool_calls"][0]["function"] == {"name": "get_time", "arguments": args}
+    assert reason == "stop"                              # vLLM's (and OpenAI's) whole answer to a named choice
     out = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
     msg, reason = ToolMode("required", TOOLS).message(out[:20], "length")     # cut short: text, no calls
     assert msg["content"] == out[:20] and "tool_calls" not in msg and reason == "length"

@@ -48,14 +48,15 @@ def __getattr__(name):
     if name == "LoRARequest":
         from tp_jax.serving.lora import LoRARequest
         return LoRARequest
-    if name in ("RequestOutput", "CompletionOutput", "StreamEvent"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob", "StreamEvent"):
         from tp_jax.serving import outputs
         return getattr(outputs, name)
     raise AttributeError(f"module 'tp_jax' has no attribute {name!r}")
 
 
 __all__ = [
-    "LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "RequestOutput", "CompletionOutput", "StreamEvent",
+    "LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob",
+    "StreamEvent",
     "AXES", "DP", "PP", "TP", "make_mesh",
     "all_gather", "all_reduce", "broadcast", "reduce_scatter", "send_to_next", "send_to_prev",
     "set_all_reduce_thresholds",

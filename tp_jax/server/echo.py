@@ -25,7 +25,7 @@ def prompt_part(text: str, prompt_ids: list[int], prompt_lps: list | None, n: in
     for t, entries in zip(prompt_ids, prompt_lps):
         token = tokens.text(t)
         out["tokens"].append(token)
-        out["token_logprobs"].append(None if entries is None else _finite(entries[t]))
+        out["token_logprobs"].append(None if entries is None else _finite(entries[t].logprob))
         out["top_logprobs"].append(None if entries is None else
                                    {tokens.text(j): _finite(lp) for j, lp in _top(entries, n)})
         out["text_offset"].append(offset)
@@ -56,10 +56,7 @@ def prompt_logprobs_field(prompt_ids: list[int], prompt_lps: list | None, n: int
         if entries is None:
             out.append(None)
             continue
-        top = _top(entries, n)                                 # the N most likely (the engine may hold more)
-        ranks = {j: r for r, (j, _) in enumerate(top, 1)}
-        ranks[t] = getattr(entries, "rank", ranks.get(t))     # its own, counted on the device
-        keep = {t: entries[t], **dict(top)}
-        out.append({str(j): {"logprob": _finite(lp), "rank": ranks[j], "decoded_token": tokens.text(j)}
-                    for j, lp in keep.items()})
+        keep = [t] + [j for j, _ in _top(entries, n)]          # its own, then the N most likely (of the engine's k)
+        out.append({str(j): {"logprob": _finite(entries[j].logprob), "rank": entries[j].rank,
+                             "decoded_token": tokens.text(j)} for j in keep})
     return out

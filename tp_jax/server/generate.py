@@ -18,6 +18,7 @@ runs the same command; process 0 prints the outputs (docs/multihost.md). The eng
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -160,6 +161,8 @@ def _finite(x):
         return [_finite(v) for v in x]
     if isinstance(x, np.integer):
         return int(x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):          # a Logprob: {logprob, rank, decoded_token}
+        return _finite(dataclasses.asdict(x))
     return x
 
 

@@ -281,6 +281,8 @@ class Handler:
                 calls = message.pop("tool_calls")
                 message = {**message, "function_call": calls[0]["function"]}
                 reason = "function_call" if reason == "tool_calls" else reason
+            if job.request.echo_text:                 # vLLM's chat echo: the last (assistant) message first
+                message = {**message, "content": job.request.echo_text + (message.get("content") or "")}
             return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason,
                     "stop_reason": c.stop_reason}
         text, lp, extra = self._with_prompt(job, index, out, c.text, lp, True)
@@ -343,6 +345,9 @@ class Handler:
         if job.chat:
             for k in range(len(deltas)):
                 yield chunk({"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            for k in range(len(deltas) if job.request.echo_text else 0):       # vLLM: then the echo, per choice
+                yield chunk({"index": k, "delta": {"content": job.request.echo_text}, "logprobs": None,
                              "finish_reason": None})
         try:
             async for i, out in self._run(job, stream=True):

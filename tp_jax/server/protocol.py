@@ -58,7 +58,7 @@ NEUTRAL = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_spec
            "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [], "logits_processors": None,
            "priority": 0, "guided_json": None, "guided_regex": None,
            "guided_choice": None, "guided_grammar": None, "structural_tag": None, "chat_template": None,
-           "echo": False, "logprob_token_ids": None, "repetition_detection": None, "return_token_ids": None,
+           "logprob_token_ids": None, "repetition_detection": None, "return_token_ids": None,
            "return_prompt_text": None, "return_token_offsets": None, "return_mm_kwargs": None,
            "thinking_token_budget": None, "truncation_side": None, "prompt_embeds": None, "watermarking": None,
            "mm_payload": None, "media_io_kwargs": None, "include_reasoning": True}
@@ -230,6 +230,14 @@ class ChatCompletionRequest(_Sampling):
     add_special_tokens: bool = False               # the tokenizer's BOS etc. on top of the template's
     documents: list[dict[str, str]] | None = None  # for a template that renders them (RAG)
     chat_template_kwargs: dict[str, Any] | None = None     # the template's variables (e.g. Qwen3's enable_thinking)
+    echo: bool = False                             # the last message, when the assistant's, before each answer
+
+    @property
+    def echo_text(self) -> str:
+        """What `echo` puts before each answer (vLLM's rule): the last message's text when it is the assistant's
+        (the answer's own role), else nothing."""
+        last = self.messages[-1]
+        return last.for_template()["content"] if self.echo and last.role == "assistant" else ""
 
     @model_validator(mode="before")
     @classmethod
@@ -291,6 +299,13 @@ def requested_logprobs(request: CompletionRequest | ChatCompletionRequest) -> in
     return request.logprobs
 
 
+def _engine_logprobs(r: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The logprobs the engine computes: the requested ones, or 0 for best_of > n, which ranks its samples by
+    cumulative_logprob (None without logprobs, as in vLLM); the answer shows only the requested ones."""
+    n = requested_logprobs(r)
+    return 0 if n is None and (r.best_of or 0) > r.n else n
+
+
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                     structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's SamplingParams (ValueError naming the field if the engine refuses a value);
@@ -302,7 +317,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
         presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, seed=r.seed,
         stop=r.stop, stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos,
-        logprobs=requested_logprobs(r), include_stop_str_in_output=r.include_stop_str_in_output,
+        logprobs=_engine_logprobs(r), include_stop_str_in_output=r.include_stop_str_in_output,
         prompt_logprobs=r.engine_prompt_logprobs if isinstance(r, CompletionRequest) else r.prompt_logprobs,
         structured_outputs=structured_outputs, min_tokens=r.min_tokens,
         logit_bias={int(k): v for k, v in (r.logit_bias or {}).items()}, skip_special_tokens=r.skip_special_tokens)

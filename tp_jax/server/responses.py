@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from importlib.metadata import PackageNotFoundError, version
 
-from tp_jax.serving.outputs import CompletionOutput
+from tp_jax.serving.outputs import CompletionOutput, Logprob, SampleLogprobs
 
 
 class Tokens:
@@ -43,35 +43,36 @@ FINGERPRINT = f"tp_jax-{tp_jax_version()}"          # every answer's system_fing
 TOKEN_IDS = Tokens(None)               # names every token "token_id:<id>" (vLLM's return_tokens_as_token_ids)
 
 
-def _top(entries: dict[int, float], n: int) -> list[tuple[int, float]]:
-    """The n most likely of a token's {id: logprob} (the engine adds the chosen token to its top-N)."""
-    return sorted(entries.items(), key=lambda kv: -kv[1])[:n]
+def _top(entries: dict[int, Logprob], n: int) -> list[tuple[int, float]]:
+    """The n most likely (id, logprob) of a position's {id: Logprob} (the engine adds the chosen token to its
+    top-N)."""
+    return sorted(((t, e.logprob) for t, e in entries.items()), key=lambda kv: -kv[1])[:n]
 
 
 def _finite(x: float) -> float:
     return max(x, -9999.0)            # -inf is not valid JSON; OpenAI clients expect a number
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], n: int, tokens: Tokens,
+def completion_logprobs(token_ids: list[int], logprobs: SampleLogprobs, n: int, tokens: Tokens,
                         offset: int) -> dict:
     """Completions' layout: tokens, token_logprobs, top_logprobs (text -> logprob), text_offset."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, entries in zip(token_ids, logprobs):
         text = tokens.text(t)
         out["tokens"].append(text)
-        out["token_logprobs"].append(_finite(entries[t]))
+        out["token_logprobs"].append(_finite(entries[t].logprob))
         out["top_logprobs"].append({tokens.text(i): _finite(lp) for i, lp in _top(entries, n)})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], n: int, tokens: Tokens) -> dict:
+def chat_logprobs(token_ids: list[int], logprobs: SampleLogprobs, n: int, tokens: Tokens) -> dict:
     """Chat's layout: content = [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
     def entry(t: int, lp: float) -> dict:
         text = tokens.text(t)
         return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode())}
-    content = [{**entry(t, entries[t]), "top_logprobs": [entry(i, lp) for i, lp in _top(entries, n)]}
+    content = [{**entry(t, entries[t].logprob), "top_logprobs": [entry(i, lp) for i, lp in _top(entries, n)]}
                for t, entries in zip(token_ids, logprobs)]
     return {"content": content, "refusal": None}
 
@@ -84,7 +85,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 @dataclasses.dataclass
 class Delta:
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: SampleLogprobs | None
     text: str
     finish_reason: str | None
     stop_reason: int | str | None
@@ -104,12 +105,12 @@ class ChoiceDelta:
         """The delta since the last call, or None when there is nothing new to send."""
         if self.done:
             return None
-        visible = c.text if c.finished else c.text[:max(0, len(c.text) - self.holdback)]
+        visible = c.text if c.finished() else c.text[:max(0, len(c.text) - self.holdback)]
         text = visible[self.chars:] if len(visible) > self.chars else ""
         new = c.token_ids[self.tokens:]
-        if not new and not text and not c.finished:
+        if not new and not text and not c.finished():
             return None
         lps = None if c.logprobs is None else c.logprobs[self.tokens:len(c.token_ids)]
         delta = Delta(list(new), lps, text, c.finish_reason, c.stop_reason, self.chars, not self.sent)
-        self.tokens, self.chars, self.done, self.sent = len(c.token_ids), self.chars + len(text), c.finished, True
+        self.tokens, self.chars, self.done, self.sent = len(c.token_ids), self.chars + len(text), c.finished(), True
         return delta

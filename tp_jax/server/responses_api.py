@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tp_jax.server.handlers import APIError, Handler, Job
-from tp_jax.server.protocol import MAX_LOGPROBS, ChatCompletionRequest
+from tp_jax.server.protocol import MAX_LOGPROBS, ChatCompletionRequest, log_ignored_once
 from tp_jax.server.responses_output import Events, as_messages, output_items, response_object
 
 STORE_SIZE = 1000
@@ -119,8 +119,9 @@ class NamedFunction(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    """POST /v1/responses (OpenAI's fields, then vLLM's extra sampling fields)."""
-    model_config = ConfigDict(extra="forbid")
+    """POST /v1/responses (OpenAI's fields, then vLLM's extra sampling fields); other fields are accepted and
+    logged once by name, as on the other routes and in vLLM."""
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     input: str | list[InputItem]
@@ -189,6 +190,7 @@ class ResponsesRequest(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self):
+        log_ignored_once(self.model_extra or {})
         if isinstance(self.tool_choice, NamedFunction) and self.tool_choice.name not in [t.name for t in self.tools]:
             raise ValueError(f"tool_choice names the function {self.tool_choice.name!r}, which is not among the "
                              f"tools ({', '.join(repr(t.name) for t in self.tools) or 'none'})")
@@ -206,10 +208,13 @@ class ResponsesRequest(BaseModel):
     def logprobs(self) -> bool:
         return LOGPROBS in (self.include or ())
 
-    def text_config(self) -> dict:
-        fmt = self.text.format if self.text and self.text.format else TextFormat(type="text")
-        return {"format": fmt.model_dump(by_alias=True, exclude_none=True),
-                **({"verbosity": self.text.verbosity} if self.text and self.text.verbosity else {})}
+    def text_config(self) -> dict | None:
+        """The Response's `text`: the request's, or null when it sent none (as vLLM)."""
+        if self.text is None or (self.text.format is None and self.text.verbosity is None):
+            return None
+        fmt = self.text.format
+        return {"format": None if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True),
+                "verbosity": self.text.verbosity}
 
     def tool_choice_echo(self) -> str | dict:
         return self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedFunction) else self.tool_choice

@@ -35,8 +35,10 @@ def status_of(finish_reason: str | None) -> str:
 def response_usage(usage: dict | None) -> dict | None:
     if usage is None:
         return None
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0},    # no hosted tools run here
             "total_tokens": usage["total_tokens"]}
 
 
@@ -81,7 +83,8 @@ def response_object(run, output: list[dict], finish_reason: str | None, usage: d
             "max_tool_calls": r.max_tool_calls, "model": run.model, "output": output,
             "parallel_tool_calls": r.parallel_tool_calls, "previous_response_id": r.previous_response_id,
             "reasoning": r.reasoning or {"effort": None, "summary": None}, "service_tier": r.service_tier,
-            "store": r.store, "temperature": 1.0 if r.temperature is None else r.temperature,
+            "temperature": 1.0 if r.temperature is None else r.temperature,
+            "frequency_penalty": 0.0, "presence_penalty": 0.0,      # vLLM's fields; a Responses request sets neither
             "text": r.text_config(), "tool_choice": r.tool_choice_echo(), "tools": [t.model_dump() for t in r.tools],
             "top_logprobs": r.top_logprobs, "top_p": 1.0 if r.top_p is None else r.top_p,
             "truncation": r.truncation, "usage": response_usage(usage), "user": r.user, "metadata": r.metadata or {}}

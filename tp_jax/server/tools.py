@@ -66,13 +66,15 @@ class ToolMode:
         return self.reader().parse(text)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """(the chat message, its finish_reason: "tool_calls" when it made calls and ended by itself)."""
+        """(the chat message, its finish_reason: "tool_calls" when it made calls and ended by itself, but for a
+        named tool_choice "stop", as vLLM and OpenAI answer one (vLLM's streams end a named call with
+        "tool_calls", and so do ours: `ToolStream`))."""
         content, calls = self.parse(text)
         msg = {"role": "assistant", "content": content}
         if not calls:
             return {**msg, "content": text}, finish_reason
         msg["tool_calls"] = [c.openai() for c in calls]
-        return msg, "tool_calls" if finish_reason == "stop" else finish_reason
+        return msg, "tool_calls" if finish_reason == "stop" and self.choice != "named" else finish_reason
 
 
 class ToolStream:

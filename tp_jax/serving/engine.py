@@ -37,6 +37,7 @@ from tp_jax.serving.batch import (MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, 
 from tp_jax.serving.draft_model import DraftModel
 from tp_jax.serving.engine_args import default
 from tp_jax.serving.kv_pool import plan_pool
+from tp_jax.serving.outputs import PromptLogprobs, SampleLogprobs, position_logprobs
 from tp_jax.serving.penalties import Penalties
 from tp_jax.serving.plan import StepPlan
 from tp_jax.serving.request import Request
@@ -111,11 +112,11 @@ class EngineOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[float]                          # the chosen tokens' logprobs
-    new_top_logprobs: list[dict[int, float]] | None    # per new token: {id: logprob}, chosen + top-N
+    new_top_logprobs: SampleLogprobs | None            # per new token: {id: Logprob}, chosen + top-N (outputs.py)
     finish_reason: str | None = None                   # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None   # with the first output, when asked for
+    prompt_logprobs: PromptLogprobs | None = None      # with the first output, when asked for
     num_draft_tokens: int = 0                          # speculative decoding: drafts verified this step
     num_accepted_tokens: int = 0                       # ... and accepted (on a step's first output)
 
@@ -274,7 +275,7 @@ class EngineCore:
             plan.bitmask = self._bitmask(batch)          # the followers need it in the plan
             broadcast_bytes(plan.to_bytes())
         # one process: the grammars' bitmasks are filled on the host while the device runs the forward
-        tokens, chosen, top_ids, top_lp, scored = self._execute(plan, lambda: self._bitmask(batch))
+        tokens, chosen, ranks, top_ids, top_lp, scored = self._execute(plan, lambda: self._bitmask(batch))
         if plan.prompt is not None:
             prompt_logprobs.collect(plan.prompt, scored)
         self._verify(batch, tokens)
@@ -294,7 +295,7 @@ class EngineCore:
                     if row.request.finished:                                   # EOS, a stop, max_tokens inside
                         break
                     outputs.append(self._append(row.request, int(tokens[g, j]), float(chosen[g, j]),
-                                                top_ids[g, j], top_lp[g, j]))
+                                                int(ranks[g, j]), top_ids[g, j], top_lp[g, j]))
                 if row.draft:
                     outputs[first].num_draft_tokens = len(row.draft)
                     outputs[first].num_accepted_tokens = len(row.draft) - row.rejected
@@ -424,11 +425,11 @@ class EngineCore:
         """The device work of a step (every process runs it); the sampled rows as numpy."""
         return self.runner.execute(plan, late_bitmask)
 
-    def _append(self, req: Request, token: int, logprob: float, top_ids, top_lp) -> EngineOutput:
+    def _append(self, req: Request, token: int, logprob: float, rank: int, top_ids, top_lp) -> EngineOutput:
         req.token_ids.append(token)
         self.stats["generated_tokens"] += 1
         n = req.params.logprobs
-        top = None if n is None else {token: logprob, **{int(t): float(x) for t, x in zip(top_ids[:n], top_lp[:n])}}
+        top = None if n is None else position_logprobs(token, logprob, rank, top_ids[:n], top_lp[:n])
         out = EngineOutput(req.request_id, [token], [logprob], None if top is None else [top],
                            num_cached_tokens=max(req.num_cached_tokens, 0))
         if req.params.prompt_logprobs is not None and req.num_output_tokens == 1:

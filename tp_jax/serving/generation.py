@@ -56,7 +56,7 @@ class Generation:
                         for k, tok in enumerate(c.token_ids[n_tok:]):
                             last = n_tok + k == len(c.token_ids) - 1
                             text = c.text[n_chr:] if with_text and last else ""
-                            done = last and c.finished
+                            done = last and c.finished()
                             yield StreamEvent(i, tok, text, done, c.finish_reason if done else None, j)
                         sent[(i, j)] = (len(c.token_ids), len(c.text) if with_text else 0)
         except BaseException as e:

@@ -98,7 +98,8 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_ids = [f"{request_id}#{next(self._ids)}" for _ in prepared.samples]
         state = RequestState(request_id, prepared.prompt, prepared.prompt_token_ids,
-                             [_Sample(p) for p in prepared.samples], RequestMetrics(arrival))
+                             [_Sample(p) for p in prepared.samples], RequestMetrics(arrival),
+                             lora_request=prepared.lora_request)
         self.processor.add(state, core_ids, stream)
         for cid, p in zip(core_ids, prepared.samples):             # n > 1: a matcher per sample
             self.core.add(cid, prepared.prompt_token_ids, p, arrival, matcher=self._matcher(p),

@@ -7,6 +7,10 @@ cut at the stop string (kept with `include_stop_str_in_output`) and the core is 
 it. Other requests are decoded once, when they finish. A request with n > 1 runs as n child
 requests in the core; its RequestOutput gathers them and finishes with the last.
 
+Logprobs become vLLM's: each `Logprob`'s `decoded_token` is its token decoded alone (`tokenizer.decode([id])`,
+as vLLM's `convert_ids_list_to_tokens`), and `cumulative_logprob` is the sampled tokens' sum, None for a request
+that did not ask for logprobs (vLLM's LogprobsProcessor).
+
 Special tokens are left out of the text unless a request says `skip_special_tokens=False` (vLLM's option;
 gpt-oss's harmony answers need their markers). Either way the token that ended a sample — a stop token id,
 or an end-of-sequence token — is left out of the text unless `include_stop_str_in_output`, as in vLLM.
@@ -18,7 +22,7 @@ import dataclasses
 import time
 
 from tp_jax.serving.engine import EngineOutput
-from tp_jax.serving.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tp_jax.serving.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from tp_jax.serving.sampling import SamplingParams
 
 
@@ -59,17 +63,19 @@ class Detokenizer:
 class _Sample:
     params: SamplingParams
     tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
-    cumulative: float = 0.0
+    logprobs: SampleLogprobs | None = None
+    cumulative: float | None = None             # with logprobs only, as vLLM's
     detok: Detokenizer | None = None
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    lora_request: object | None = None
 
     def output(self, index: int) -> CompletionOutput:
         return CompletionOutput(index, self.text, list(self.tokens), self.cumulative,
-                                None if self.logprobs is None else list(self.logprobs), self.finish_reason,
-                                self.stop_reason)
+                                None if self.logprobs is None else list(self.logprobs),
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                lora_request=self.lora_request)
 
 
 @dataclasses.dataclass
@@ -80,16 +86,18 @@ class RequestState:
     samples: list[_Sample]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    lora_request: object | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
                              [s.output(i) for i, s in enumerate(self.samples)], self.finished,
-                             self.num_cached_tokens, dataclasses.replace(self.metrics), self.prompt_logprobs)
+                             dataclasses.replace(self.metrics), self.lora_request,
+                             num_cached_tokens=self.num_cached_tokens)
 
 
 def _whole_characters(text: str) -> str:
@@ -123,14 +131,16 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.special = frozenset() if tokenizer is None else special_token_ids(tokenizer)
         self.states: dict[str, RequestState] = {}
+        self.decoded: dict[int, str] = {}                            # token id -> its text alone (Logprob)
         self.children: dict[str, tuple[RequestState, int]] = {}      # core request id -> (parent, sample)
 
     def add(self, state: RequestState, child_ids: list[str], stream: bool) -> None:
         self.states[state.request_id] = state
         for i, cid in enumerate(child_ids):
             s = state.samples[i]
+            s.lora_request = state.lora_request
             if s.params.logprobs is not None:
-                s.logprobs = []
+                s.logprobs, s.cumulative = [], 0.0
             if self.tokenizer is not None and (stream or s.params.stop):
                 s.detok = Detokenizer(self.tokenizer, s.params.skip_special_tokens)
             self.children[cid] = (state, i)
@@ -152,14 +162,14 @@ class OutputProcessor:
                 state.metrics.spec_accepted_tokens += out.num_accepted_tokens
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
-                state.prompt_logprobs = out.prompt_logprobs
+                state.prompt_logprobs = self._decoded(out.prompt_logprobs)
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
             s.tokens += out.new_token_ids
-            s.cumulative += sum(out.new_logprobs)
             if s.logprobs is not None:
-                s.logprobs += out.new_top_logprobs
+                s.cumulative += sum(out.new_logprobs)
+                s.logprobs += self._decoded(out.new_top_logprobs)
             if s.detok is not None:
                 before = len(s.text)
                 hidden = _hidden_stop_token(s, out.finish_reason, out.stop_reason, self.special) if out.finished else 0
@@ -174,6 +184,17 @@ class OutputProcessor:
                 self._finish_sample(state, s, out.request_id, out.finish_reason, out.stop_reason, now)
             touched[state.request_id] = state
         return [st.output() for st in touched.values()], abort
+
+    def _decoded(self, positions: list) -> list:
+        """`positions` (dicts of Logprob, or None) with each Logprob's decoded_token filled in."""
+        if self.tokenizer is None:
+            return positions
+        for entries in positions:
+            for t, lp in (entries or {}).items():
+                if t not in self.decoded:
+                    self.decoded[t] = self.tokenizer.decode([t])
+                lp.decoded_token = self.decoded[t]
+        return positions
 
     def _stop_string(self, s: _Sample, before: int) -> bool:
         """Cut s.text at the first stop string that the new text completes."""

@@ -11,9 +11,9 @@ with no such row runs the very program it ran before (no extra input, output or 
 * `compute(model, h, packed, k)` — the device side, inside the forward's shard_map.
 * `collect(prompt_plan, result)` — the step's results appended to each request's list.
 
-Results follow vLLM's layout: `[None, {token_1: lp, top...}, ..., {token_{T-1}: lp, ...}]`,
-each dict (a `Scored`, which also holds the prompt token's `rank`) the prompt token's own logprob plus the
-top k (raw logprobs: before penalties and temperature, like the sampled tokens'). A request keeps the entries it has: after a
+Results follow vLLM's layout: `[None, {token_1: Logprob, top...}, ..., {token_{T-1}: Logprob, ...}]`,
+each dict the prompt token's own Logprob (with its rank in the distribution) plus the top k with ranks 1..k
+(raw logprobs: before penalties and temperature, like the sampled tokens'). A request keeps the entries it has: after a
 preemption its recomputed positions are not scored again. Cached prefix blocks have no
 logits, so a request still collecting prompt logprobs does not reuse the prefix cache
 (vLLM does the same); its own full blocks are still registered for later requests.
@@ -29,6 +29,7 @@ import numpy as np
 
 from tp_jax.parallel.invariant import row_log_softmax
 from tp_jax.serving.batch import MIN_TOKENS, StepBatch, bucket, fine_bucket
+from tp_jax.serving.outputs import position_logprobs
 from tp_jax.serving.request import Request
 from tp_jax.serving.sampling import mask_padding
 
@@ -87,30 +88,20 @@ def plan(batch: StepBatch, vocab_size: int) -> PromptPlan | None:
 
 
 def compute(model, h: jax.Array, packed: jax.Array, k: int) -> jax.Array:
-    """h[G, N, D], packed i32[G, 2Q] (index, target) -> i32[G, Q, 2 + 2k]: the target's logprob, its rank (1 + the
-    tokens more likely), the top-k ids and their logprobs (floats bit-cast)."""
+    """h[G, N, D], packed i32[G, 2Q] (index, target) -> i32[G, Q, 2 + 2k]: the target's logprob, its rank (the
+    tokens at least as likely: vLLM's count), the top-k ids and their logprobs (floats bit-cast)."""
     q = packed.shape[1] // 2
     index, target = packed[:, :q], packed[:, q:]
     hq = jnp.take_along_axis(h, index[..., None], axis=1)                       # [G, Q, D]
     lp = row_log_softmax(mask_padding(model.logits(hq)))                        # [G, Q, V] f32
     chosen = jnp.take_along_axis(lp, target[..., None], axis=-1)                # [G, Q, 1]
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
-    rank = jnp.sum(lp > chosen, axis=-1, keepdims=True, dtype=jnp.int32) + 1       # [G, Q, 1]
+    rank = jnp.sum(lp >= chosen, axis=-1, keepdims=True, dtype=jnp.int32)          # [G, Q, 1]
     parts = [bits(chosen), rank]
     if k:
         top_lp, top_ids = jax.lax.top_k(lp, k)
         parts += [top_ids.astype(jnp.int32), bits(top_lp)]
     return jnp.concatenate(parts, axis=-1)
-
-
-class Scored(dict):
-    """A scored prompt position: {token id: logprob} (the prompt token's own, then the top k), and `rank`, the
-    prompt token's rank in the distribution (1: the most likely; vLLM's `Logprob.rank`)."""
-    __slots__ = ("rank",)
-
-    def __init__(self, entries, rank: int):
-        super().__init__(entries)
-        self.rank = rank
 
 
 def collect(p: PromptPlan, result: np.ndarray) -> None:
@@ -124,7 +115,6 @@ def collect(p: PromptPlan, result: np.ndarray) -> None:
         for req, count in owners:
             n = req.params.prompt_logprobs
             for q in range(j, j + count):
-                target = int(p.target[g, q])
-                top = {int(t): float(x) for t, x in zip(top_ids[g, q, :n], top_lp[g, q, :n])}
-                req.prompt_logprobs.append(Scored({target: float(chosen[g, q]), **top}, int(ranks[g, q])))
+                req.prompt_logprobs.append(position_logprobs(p.target[g, q], chosen[g, q], ranks[g, q],
+                                                             top_ids[g, q, :n], top_lp[g, q, :n]))
             j += count

@@ -97,7 +97,8 @@ class ModelRunner:
         return np.asarray(to_host(_greedy(logits, num_logprobs=0)), np.int32)[..., 0]
 
     def execute(self, plan: StepPlan, late_bitmask=None):
-        """Forward and sample one step; (tokens[G, R], logprob[G, R], top_ids[G, R, N], top_lp[G, R, N], prompt)
+        """Forward and sample one step; (tokens[G, R], logprob[G, R], rank[G, R], top_ids[G, R, N], top_lp[G, R, N],
+        prompt)
         as numpy, `prompt` the scored prompt positions (i32[G, Q, 2 + 2k]) or None.
 
         Structured outputs: `plan.bitmask`, or else `late_bitmask()` (called after the forward is
@@ -122,16 +123,16 @@ class ModelRunner:
         out = np.asarray(to_host(out), np.int32)
         floats = lambda x: np.ascontiguousarray(x).view(np.float32)
         scored = None if scored is None else np.asarray(to_host(scored), np.int32)
-        return out[..., 0], floats(out[..., 1]), out[..., 2:2 + n], floats(out[..., 2 + n:]), scored
+        return out[..., 0], floats(out[..., 1]), out[..., 2], out[..., 3:3 + n], floats(out[..., 3 + n:]), scored
 
 
 def _pack(g: int, tokens, lp) -> jax.Array:
-    """One i32[G, R, 2 + 2N] result: token, its logprob (bit-cast), top ids, top logprobs (bit-cast).
+    """One i32[G, R, 3 + 2N] result: token, its logprob (bit-cast), its rank, top ids, top logprobs (bit-cast).
 
     Integers, not floats: a cross-process broadcast may sum in float32, where bit-cast token
     ids would be denormals and flushed to zero."""
     bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    out = jnp.concatenate([tokens.astype(jnp.int32)[:, None], bits(lp.logprob)[:, None],
+    out = jnp.concatenate([tokens.astype(jnp.int32)[:, None], bits(lp.logprob)[:, None], lp.rank[:, None],
                            lp.top_ids.astype(jnp.int32), bits(lp.top_logprobs)], axis=1)
     return out.reshape(g, -1, out.shape[-1])
 

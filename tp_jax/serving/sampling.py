@@ -265,6 +265,7 @@ class TokenLogprobs(NamedTuple):
     """Raw logprobs (log-softmax of the unpenalized, untempered logits)."""
 
     logprob: jax.Array        # f32[B], of the chosen token
+    rank: jax.Array           # i32[B], the chosen token's: the tokens at least as likely (vLLM's count, 1 = the top)
     top_ids: jax.Array        # i32[B, N], most likely first
     top_logprobs: jax.Array   # f32[B, N]
 
@@ -322,8 +323,9 @@ def greedy(logits: jax.Array, num_logprobs: int = 0, bias: jax.Array | None = No
 
 def _logprobs(raw: jax.Array, tokens: jax.Array, n: int) -> TokenLogprobs:
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(raw >= chosen[:, None], axis=-1, dtype=jnp.int32)
     if n == 0:
         b = raw.shape[0]
-        return TokenLogprobs(chosen, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32))
+        return TokenLogprobs(chosen, rank, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32))
     top_logprobs, top_ids = jax.lax.top_k(raw, n)
-    return TokenLogprobs(chosen, top_ids.astype(jnp.int32), top_logprobs)
+    return TokenLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_logprobs)

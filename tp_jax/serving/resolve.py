@@ -142,8 +142,8 @@ RULES: dict[str, list[Rule]] = {
         _asked("layer_loop"),
         Rule("one CPU device, an MoE model", lambda f: _cpu(f) and f.platform.num_devices == 1 and f.checkpoint.experts,
              "scan", "the switched loop switches only linear layers' GEMMs and stacks every other weight each step, "
-             "the experts' too; the scan's gather reads just the routed experts (scripts/bench_deepseek.py: "
-             "~35x faster)"),
+             "the experts' too; the scan's gather reads just the routed experts (measured faster: "
+             "scripts/bench_deepseek.py, docs/performance.md)"),
         Rule("one CPU device", lambda f: _cpu(f) and f.platform.num_devices == 1, "switch",
              "each GEMM reads its layer's weights in place, where the scan copies them out (measured faster: "
              "docs/performance.md)"),

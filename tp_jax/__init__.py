@@ -2,7 +2,9 @@
 
 Two ways in:
 * the front door, `LLM(path, tensor_parallel_size=...)` with `SamplingParams`, for the
-  Hugging Face architectures in `tp_jax.models` (Llama, Mistral, Qwen2, Qwen3);
+  Hugging Face architectures in `tp_jax.models` (Llama, Mistral, Qwen2 / Qwen3, GPT-2, Gemma 2 / 3,
+  Phi-3 / 4, OLMo 2, OLMoE, Mixtral, Qwen2-MoE / Qwen3-MoE, DeepSeek-V2 / V3, gpt-oss;
+  `tp_jax.models.registry.supported()` names each registered architecture);
 * your own Flax NNX model: build it from the parallel layers below, create it under
   `jax.set_mesh(make_mesh(tp=...))`, run its local-shape forward with `shard_module`, and
   load a checkpoint per device through a name table of `Entry`s with `load_state` + `fill`.

@@ -89,7 +89,7 @@ class _CheckedReader(gguf.GGUFReader):
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
         """Arrays (a tokenizer's 49k tokens, scores, types and merges) parsed in one pass over plain numpy
-        views: the same parts as GGUFReader's, which builds memmap views per element (~2.3 s)."""
+        views: the same parts as GGUFReader's, which builds memmap views per element (slow: docs/performance.md)."""
         if raw_type != VT.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
         raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)

@@ -46,7 +46,7 @@ from tp_jax.loaders.packed import PackedSource, RawTensors
 from tp_jax.loaders.sources import open_checkpoint
 
 CHUNK = 64
-WRITE_WINDOW_BYTES = 64 * 2**20     # bytes in flight: OCDBT writes one at a time crawl (~45 MB/s)
+WRITE_WINDOW_BYTES = 64 * 2**20     # bytes in flight: OCDBT writes one at a time crawl (docs/performance.md)
 
 
 def chunk_shape(shape: tuple[int, ...], split: int | None) -> tuple[int, ...]:

@@ -262,7 +262,8 @@ def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn,
 
 def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=None, sinks=None, v_dim=None):
     """`paged_reference` with the decode rows split-K (`split_decode`) and both dots' operands in bfloat16,
-    float32 accumulation: on a CPU with AMX XLA's batched bf16 dots run ~3x its float32 ones."""
+    float32 accumulation: on a CPU with AMX XLA's batched bf16 dots run faster than its float32 ones
+    (docs/performance.md)."""
     return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
                   functools.partial(attention, heads_first=True, dot_dtype=jnp.bfloat16, softcap=softcap,
                                     sinks=sinks),

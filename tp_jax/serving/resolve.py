@@ -119,7 +119,7 @@ def _asked(name: str) -> Rule:
 
 
 _cpu = lambda f: f.platform.backend == "cpu"                                  # noqa: E731
-CPU_SPEC_BATCH = 4          # scripts/bench_spec.py, 2-core AVX2: n-gram gains up to batch 4, loses from 8
+CPU_SPEC_BATCH = 4          # measured by scripts/bench_spec.py: docs/performance.md, "Speculative decoding"
 
 
 def _speculative(f, disable_by_batch_size=None):
@@ -142,8 +142,8 @@ RULES: dict[str, list[Rule]] = {
         _asked("layer_loop"),
         Rule("one CPU device, an MoE model", lambda f: _cpu(f) and f.platform.num_devices == 1 and f.checkpoint.experts,
              "scan", "the switched loop switches only linear layers' GEMMs and stacks every other weight each step, "
-             "the experts' too; the scan's gather reads just the routed experts (scripts/bench_deepseek.py: "
-             "~35x faster)"),
+             "the experts' too; the scan's gather reads just the routed experts (measured faster: "
+             "scripts/bench_deepseek.py, docs/performance.md)"),
         Rule("one CPU device", lambda f: _cpu(f) and f.platform.num_devices == 1, "switch",
              "each GEMM reads its layer's weights in place, where the scan copies them out (measured faster: "
              "docs/performance.md)"),
@@ -184,7 +184,7 @@ RULES: dict[str, list[Rule]] = {
         Rule("CPU", _cpu, lambda f: _speculative(f, CPU_SPEC_BATCH),
              f"proposals only while at most {CPU_SPEC_BATCH} requests run (disable_by_batch_size): a CPU step is "
              "compute-bound past a few rows, where rejected drafts cost more than accepted ones save "
-             "(scripts/bench_spec.py, docs/serving.md)", f"the named config, disable_by_batch_size {CPU_SPEC_BATCH}"),
+             "(scripts/bench_spec.py, docs/performance.md)", f"the named config, disable_by_batch_size {CPU_SPEC_BATCH}"),
         Rule("an accelerator", lambda f: True, _speculative, "vLLM's default: proposals at any batch size",
              "the named config"),
     ],

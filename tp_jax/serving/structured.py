@@ -176,7 +176,7 @@ class GrammarCompiler:
 
     @property
     def ll_tokenizer(self):
-        """llguidance's token table (~1 s to build for a 50k vocabulary, once)."""
+        """llguidance's token table (built once: its cost is in docs/performance.md)."""
         with self._lock:
             if self._ll is None:
                 import llguidance.hf

@@ -1,7 +1,7 @@
 """Tokenizers for a model path: transformers' AutoTokenizer for a directory, the GGUF's own for a .gguf.
 
 Building a GGUF file's tokenizer means parsing its metadata (tens of thousands of token
-strings) twice, about 10 s for SmolLM2. The result is saved once under
+strings) twice, seconds for SmolLM2 (docs/performance.md). The result is saved once under
 `$XDG_CACHE_HOME/tp_jax/tokenizers/<key>` (default `~/.cache/...`; `TP_JAX_TOKENIZER_CACHE`
 names another directory, or "0" turns it off), keyed by the file's absolute path, size and
 modification time, and later runs load that copy in a fraction of a second. In a process,

@@ -2,10 +2,10 @@
 
     ByRows(few=Int8("int8x2"), many=Bfloat16(), max_rows=4)
 
-On XLA:CPU the int8 x int8 dot (YNNPACK) costs about the same from 1 to 8 digit rows and then grows
-fast, while the bf16 x bf16 -> float32 dot reads twice the bytes but stays flat much longer: on the AMD
-EPYC measured `w8a8x2` (two digit rows per token) is the faster at batch 1 and bf16 from batch 8 up; on a
-Xeon with AMX the int8 dot stays the faster up to 24 tokens (`W8A8x2Bf16Config` picks `max_rows` by CPU). `ByRows` holds both forms of each weight and picks per
+On XLA:CPU the int8 x int8 dot (YNNPACK) costs about the same for a few digit rows and then grows
+fast, while the bf16 x bf16 -> float32 dot reads twice the bytes but stays flat much longer, so which is
+the faster depends on the rows and on the CPU (`W8A8x2Bf16Config` picks `max_rows` by CPU; the
+measurements: docs/performance.md, "The by-rows threshold"). `ByRows` holds both forms of each weight and picks per
 GEMM, at trace time, from the rows of its input x [M, in]: `few` when M <= `max_rows`, else `many`.
 
 The params are `few`'s under its own suffixes ("kernel", "kernel_scale") and `many`'s under

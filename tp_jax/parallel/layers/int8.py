@@ -29,8 +29,8 @@ float copy of a whole tensor exists at any time. Two GEMMs, by `activations`:
   above and q_2 the rounded remainder, and y = ((q_1 Q^T) + (q_2 Q^T) / 254) * s_x * s from
   ONE int8 x int8 -> int32 dot of the 2M stacked rows: the weights are read once, and at
   decode sizes a dot of 2M rows costs about what M rows cost (on CPU one row is padded to
-  two anyway). One scale per token at 8 bits lets an outlier input coarsen the row (SmolLM2:
-  +4.1% perplexity); the second digit brings the activation error near bf16's.
+  two anyway). One scale per token at 8 bits lets an outlier input coarsen the row; the second
+  digit brings the activation error near bf16's (the perplexities: docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ def digits_dot(w: jax.Array, rows: jax.Array, s: jax.Array, two_digits: bool) ->
 
 def weight_first_dot(w: jax.Array, rows: jax.Array) -> jax.Array:
     """int8 w [out, in] (.) int8 rows [R, in] -> int32 [out, R'] (R' >= R: one row is padded to two), the weight as
-    the dot's left operand ("fd,md->fm"): XLA:CPU's int8 kernel (YNNPACK) reads the weight that way up to ~1.3x
-    faster than as the right operand ("md,fd->mf") at decode sizes (docs/performance.md)."""
+    the dot's left operand ("fd,md->fm"): XLA:CPU's int8 kernel (YNNPACK) reads the weight faster that way than as
+    the right operand ("md,fd->mf") at decode sizes (measured: docs/performance.md)."""
     return jnp.einsum("fd,md->fm", w, pad_rows(rows)[0], preferred_element_type=jnp.int32)
 
 

@@ -17,7 +17,7 @@ alpha / sqrt(r) for rsLoRA) is folded into B when an adapter is loaded.
 Each token's A and B are gathered from its slot and multiplied with its own row (one small dot
 each): a row's numbers never depend on its neighbours, a token without an adapter adds exact zeros,
 and a step where no token has one skips LoRA (a `lax.cond`). scripts/bench_lora.py measured this
-against per-slot masked dots and `jax.lax.ragged_dot` (docs/serving.md).
+against per-slot masked dots and `jax.lax.ragged_dot` (docs/performance.md, "LoRA").
 """
 
 from __future__ import annotations

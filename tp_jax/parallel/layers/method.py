@@ -22,8 +22,8 @@ Named configurations that pick a method per layer live in layers/quantization.py
 Every dot of a method that is not `Unquantized` goes through `fast_dot` (int8 activations: int8.py's
 `weight_first_dot`, the weight as the left operand, its int32 sums converted by `Int8.finish`): its operands
 are bf16 or int8 with a float32 / int32 accumulator, the shapes XLA:CPU has fast kernels for (AVX-512 BF16 /
-VNNI, AMX), and a single row is padded to two, since XLA:CPU's kernels for those types fall to a path ~10x
-slower at M = 1 (docs/performance.md). The result is float32 whatever the operands, so a row layer's
+VNNI, AMX), and a single row is padded to two, since XLA:CPU's kernels for those types fall to a much slower
+path at M = 1 (docs/performance.md). The result is float32 whatever the operands, so a row layer's
 all-reduce runs in float32; layers cast to their dtype after it.
 """
 

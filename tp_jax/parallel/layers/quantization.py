@@ -75,7 +75,7 @@ class W8A8x2Config(W8A8Config):
 
 
 INT8_MAX_ROWS = {"amx_int8": 24}   # a CPU flag -> the most rows w8a8x2_bf16 runs as int8 there (measured:
-DEFAULT_INT8_MAX_ROWS = 4         # docs/performance.md, "The by-rows threshold on each CPU"); without one: 4
+DEFAULT_INT8_MAX_ROWS = 4         # docs/performance.md, "The by-rows threshold"); without one: 4
 
 
 @functools.cache

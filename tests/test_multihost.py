@@ -9,6 +9,7 @@ scripts/generate.py processes started by hand (no launcher): pure JSON on stdout
 mid-run ends the survivor with one line and exit code 3.
 """
 
+import dataclasses
 import json
 import os
 import queue
@@ -235,8 +236,8 @@ def test_smollm2_dp2_tp4_on_two_processes_equals_one_process_bit_for_bit(smollm2
     for row, o in zip(sorted((json.loads(r.split("] ", 1)[1]) for r in rows), key=lambda r: r["index"]), outs):
         mine = o.outputs[0]
         assert row["token_ids"] == mine.token_ids and len(mine.token_ids) == 16
-        expected = [{str(t): getattr(v, "logprob", v) for t, v in d.items()} for d in mine.logprobs]
-        assert row["logprobs"] == expected                                     # float32 values, bit for bit
+        expected = [{str(t): dataclasses.asdict(v) for t, v in d.items()} for d in mine.logprobs]
+        assert row["logprobs"] == expected                      # Logprob fields: float32 logprobs, bit for bit
 
 
 def test_resolve_takes_flags_then_env_then_cluster():

@@ -6,7 +6,8 @@ Both models are the shared causal-LM shell (random weights, float32, 2 layers); 
 MLP is top_k x the expert width, so both have the same *active* feed-forward params per token. A
 step is one token per row through every layer (the attention of a one-token forward is the same
 in both models, so the difference is the feed-forward). Measured, same run, medians:
-* `single`: one device, batch 1 and 8: dense, MoE with dispatch "auto" (what runs by default),
+* `single`: one device, each `--batch` (1, 8: decode; 64, 256: prefill-sized steps): dense, MoE with dispatch
+  "auto" (what runs by default),
   "gather", "ragged" and "dense" (tp_jax/parallel/layers/moe.py), and their ratios to dense;
 * `layouts`: batch 8 on dp x tp = 8 simulated devices: the TP layout (each expert split over tp)
   vs the EP layout (whole experts on dp x tp ranks, tokens gathered over dp), per mesh.
@@ -26,6 +27,8 @@ def parse_args():
     ap.add_argument("--expert-width", type=int, default=512)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256],
+                    help="tokens of a one-token-per-row step (64, 256: prefill-sized steps)")
     return ap.parse_args()
 
 
@@ -76,7 +79,7 @@ def main():
     dense, moe = configs(args)
     one = make_mesh(devices=jax.devices()[:1])
     single = {}
-    for batch in (1, 8):
+    for batch in args.batch:
         row = {"dense_ms": step_time(dense, one, batch, args.iters) * 1e3}
         for dispatch in ("auto", "gather", "ragged", "dense"):
             row[f"moe_{dispatch}_ms"] = step_time(dataclasses.replace(moe, moe_dispatch=dispatch), one, batch,
@@ -91,7 +94,8 @@ def main():
         row = {"tp_layout_ms": step_time(cfg, mesh, 8, args.iters) * 1e3 if args.expert_width % tp == 0 else None,
                "ep_ms": step_time(dataclasses.replace(cfg, enable_expert_parallel=True), mesh, 8, args.iters) * 1e3}
         layouts[f"dp{dp}tp{tp}"] = {k: (round(v, 3) if v is not None else None) for k, v in row.items()}
-    print(json.dumps({"platform": jax.default_backend(), "devices": n, "experts": args.experts, "top_k": args.top_k,
+    from bench_decode import cpu_description
+    print(json.dumps({"cpu": cpu_description(), "platform": jax.default_backend(), "devices": n, "experts": args.experts, "top_k": args.top_k,
                       "hidden": args.hidden, "expert_width": args.expert_width, "layers": args.layers,
                       "dense_intermediate": dense.intermediate_size, "single_device": single,
                       "batch8_layouts": layouts}))

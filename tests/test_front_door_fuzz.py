@@ -81,7 +81,10 @@ def test_front_door_is_clear_or_correct(llm, kw, prompts):
             assert (1 if params.max_tokens else 0) <= len(c.token_ids) <= params.max_tokens
             assert all(0 <= t < VOCAB for t in c.token_ids)
             assert c.finish_reason in ("stop", "length")
-            assert c.cumulative_logprob is not None and math.isfinite(c.cumulative_logprob)
+            if params.logprobs is None:                                # vLLM's: None unless logprobs are asked
+                assert c.cumulative_logprob is None
+            else:
+                assert c.cumulative_logprob is not None and math.isfinite(c.cumulative_logprob)
             assert (c.logprobs is None) == (params.logprobs is None)
         if params.prompt_logprobs is not None:
             assert len(o.prompt_logprobs) == len(o.prompt_token_ids) and o.prompt_logprobs[0] is None

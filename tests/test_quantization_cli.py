@@ -15,7 +15,7 @@ PROMPTS = ["Hello there", "Once upon a time"]
 
 def logprobs_of(lines: list[str]) -> list[list[float]]:
     rows = [json.loads(line) for line in lines]
-    return [[lp[str(t)] for t, lp in zip(r["token_ids"], r["logprobs"])] for r in rows]
+    return [[lp[str(t)]["logprob"] for t, lp in zip(r["token_ids"], r["logprobs"])] for r in rows]
 
 
 def test_generate_int8_is_the_script_and_the_library(tiny_path):

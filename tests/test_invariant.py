@@ -60,8 +60,8 @@ def test_row_tiled_float32_dot_is_invariant():
 
 def test_bf16_dots_are_invariant_as_they_are():
     w = jnp.asarray(np.random.default_rng(4).standard_normal((576, 1536)), jnp.bfloat16)
-    f = jax.jit(lambda x: row_tiled(lambda a: jnp.einsum("md,df->mf", a.astype(jnp.bfloat16), w,
-                                                         preferred_element_type=jnp.float32), x))
+    f = consistent_jit(lambda x: row_tiled(lambda a: jnp.einsum("md,df->mf", a.astype(jnp.bfloat16), w,  # as the
+                                                                preferred_element_type=jnp.float32), x))  # engine
     assert differing(row_results(f, 576)) == []
 
 

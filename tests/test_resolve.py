@@ -25,7 +25,8 @@ def setup(platform, checkpoint, **kw):
                                                    attention_backend="reference")),
     ("cpu+bf16", Platform("cpu", AVX2), BF16, dict(dtype="float32", layer_loop="switch", quantization="bf16",
                                                    attention_backend="reference")),
-    ("amx+bf16", Platform("cpu", AMX), BF16, dict(quantization="bf16", attention_backend="bf16")),
+    # AMX: bf16 attention is faster but not batch-invariant (a 1e-3 logprob move beside other rows): opt-in only
+    ("amx+bf16", Platform("cpu", AMX), BF16, dict(quantization="bf16", attention_backend="reference")),
     ("cpu+float32", Platform("cpu", AVX2), F32, dict(dtype="float32", layer_loop="switch", quantization=None,
                                                      attention_backend="reference")),
     ("cpu x8+bf16", Platform("cpu", AVX2, 8), BF16, dict(layer_loop="scan", quantization=None)),

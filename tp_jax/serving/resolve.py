@@ -29,7 +29,6 @@ from typing import Any
 from tp_jax.parallel.layers.quantization import FLOAT_TYPES, PACKED_METHODS
 from tp_jax.serving.engine_args import EngineArgs
 
-BF16_DOT_METHODS = frozenset({"bf16"})            # linear methods whose dots take bf16 operands
 NOT_BATCH_INVARIANT = {"w8a8x2_bf16": "picks its dot (int8 or bf16) by the number of rows in the step"}
 
 
@@ -190,10 +189,6 @@ RULES: dict[str, list[Rule]] = {
     ],
     "attention_backend": [
         _asked("attention_backend"),
-        Rule("CPU with AMX-BF16, the weights' dots bf16", lambda f: _cpu(f) and "amx_bf16" in f.platform.cpu_flags
-             and f.quantization in BF16_DOT_METHODS, "bf16",
-             "the run is not float32-exact already; AMX runs XLA's batched bf16 dots faster than its float32 ones "
-             "(docs/performance.md)"),
         Rule("otherwise", lambda f: True, "reference", "each row attends its own blocks in fixed key chunks, in the "
              "run's dtype (batch-invariant)"),
     ],

@@ -358,7 +358,7 @@ class EngineCore:
         top_k, steps = np.zeros((g, r), np.int32), np.zeros((g, r), np.int32)
         words = np.zeros((g, r, 3), np.uint32)
         rows = np.full((g, r), self.penalties.scratch, np.int32)
-        inits, logprobs, greedy, penalties = [], 0, True, False
+        inits, logprobs, greedy, penalties = [], -1, True, False        # -1: no row asks for logprobs
         for gi, batch_rows in enumerate(batch.rows):
             for i, (row, j) in enumerate(zip(batch_rows, sample_offsets(batch_rows))):
                 if row is None or not row.samples or row.request.max_tokens == 0:
@@ -366,14 +366,15 @@ class EngineCore:
                 req, p = row.request, row.request.params
                 floats[gi, i], top_k[gi, i] = req.sample_floats, sampling.row_top_k(p, self.vocab_size)
                 words[gi, i], steps[gi, i] = req.key_words, req.num_output_tokens + j     # j: a draft's row
-                logprobs = max(logprobs, p.logprobs or 0)
+                logprobs = max(logprobs, -1 if p.logprobs is None else p.logprobs)
                 greedy &= p.greedy
                 if sampling.has_penalties(p):
                     penalties = True
                     rows[gi, i], init = self.penalties.assign(req)
                     inits += [] if init is None else [init]
         return StepPlan(batch=batch, floats=floats, top_k=top_k, words=words, steps=steps, penalty_rows=rows,
-                        num_logprobs=min(bucket(logprobs), self.vocab_size), penalties=penalties,
+                        num_logprobs=min(bucket(logprobs), self.vocab_size) if logprobs >= 0 else -1,
+                        penalties=penalties,
                         all_greedy=greedy and not penalties, penalty_inits=inits,
                         prompt=prompt_logprobs.plan(batch, self.vocab_size))
 

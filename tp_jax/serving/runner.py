@@ -123,6 +123,7 @@ class ModelRunner:
         out = np.asarray(to_host(out), np.int32)
         floats = lambda x: np.ascontiguousarray(x).view(np.float32)
         scored = None if scored is None else np.asarray(to_host(scored), np.int32)
+        n = max(n, 0)                                    # -1: no row asked for logprobs (no ranks, no top N)
         return out[..., 0], floats(out[..., 1]), out[..., 2], out[..., 3:3 + n], floats(out[..., 3 + n:]), scored
 
 

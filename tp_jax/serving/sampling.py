@@ -322,9 +322,11 @@ def greedy(logits: jax.Array, num_logprobs: int = 0, bias: jax.Array | None = No
 
 
 def _logprobs(raw: jax.Array, tokens: jax.Array, n: int) -> TokenLogprobs:
+    """The chosen tokens' raw logprobs, their ranks and the top n (n = -1: no row asked for logprobs, no ranks
+    counted: a pass over the vocabulary saved on every such step)."""
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-    rank = jnp.sum(raw >= chosen[:, None], axis=-1, dtype=jnp.int32)
-    if n == 0:
+    rank = jnp.sum(raw >= chosen[:, None], axis=-1, dtype=jnp.int32) if n >= 0 else jnp.zeros_like(tokens)
+    if n <= 0:
         b = raw.shape[0]
         return TokenLogprobs(chosen, rank, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32))
     top_logprobs, top_ids = jax.lax.top_k(raw, n)

@@ -302,10 +302,10 @@ class Experts(ParallelModule):
         return _combine(o.reshape(-1, k, o.shape[-1]), w.reshape(-1, k))
 
     def gather_tile(self) -> int:
-        """Assignments per gathered tile: as many as GATHER_TILE_BYTES of their experts' weights (a fixed number
-        for the model, never the step's)."""
-        per = sum(int(np.prod(getattr(self, n).shape[1:])) for n in ("gate_up", "down")) * \
-            jnp.dtype(self.param_dtype).itemsize
+        """Assignments per gathered tile: as many as GATHER_TILE_BYTES of their experts' weights in the model's dtype
+        (what `_kernel` gathers, a packed method's dequantized; a fixed number for the model, never the step's)."""
+        f = self.intermediate_size if self.slots is not None else self.intermediate_size // self.tp_size
+        per = 3 * self.hidden_size * f * jnp.dtype(self.param_dtype).itemsize     # gate, up and down of one expert
         return max(1, GATHER_TILE_BYTES // per)
 
     def _gather_rows(self, xs, slot):

@@ -155,7 +155,7 @@ def measure_mesh(args) -> dict:
     for name, llm in llms.items():
         pool = llm.engine.core.pool
         out[name] = {"weights": llm.quantization, "dtype": jax.numpy.dtype(llm.dtype).name,
-                     "layers": llm.layer_loop, "attention": llm.attention_backend,
+                     "layers": llm.layer_loop, "attention": llm.setup.attention_backend,
                      "kv_bytes_per_token_per_device": block_bytes_per_device(pool.layout, 1, pool.mesh_shape),
                      "weight_bytes_per_device": param_bytes_per_device(llm.model, llm.mesh)}
     rng = np.random.default_rng(0)

@@ -112,7 +112,7 @@ def bench_ours(args, work):
     hits0 = core.prefix_cache_counts()[1]
     summary, extra = run_ours(llm, work)
     delta = lambda k: core.stats[k] - before[k]
-    summary.update(extra, quantization=llm.quantization, attention_backend=llm.attention_backend,
+    summary.update(extra, quantization=llm.quantization, attention_backend=llm.setup.attention_backend,
                    preemptions=delta("preemptions"), steps=delta("steps"),
                    scheduled_tokens=delta("scheduled_tokens"),
                    prefix_cache_hit_tokens=core.prefix_cache_counts()[1] - hits0,

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     total = sum(per_thunk.values())
     print(json.dumps({
         "model": llm.model_path.rsplit("/", 1)[-1], "quantization": llm.quantization,
-        "attention_backend": llm.attention_backend, "batch": args.batch,
+        "attention_backend": llm.setup.attention_backend, "batch": args.batch,
         "context": len(ids) + args.tokens // 2, "shape": list(step.shape.__dict__.values()),
         "forward_ms": round(min(walls) * 1e3, 2), "thunks_ms": round(total, 2),
         "by_kind_ms": {k: round(by_kind[k], 2) for k in (*KINDS, "other")},

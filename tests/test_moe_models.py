@@ -179,8 +179,9 @@ def test_published_moe_config_at_tp8_with_ep(name, tmp_path):
     assert per_device == pytest.approx(total * 2 / 8, rel=0.02), (per_device, total)
     assert model.model.layers.layers.mlp.experts.gate_up.get_value().shape[1] == cfg.num_experts
     budget = 2**30
-    pool = plan_pool(model.kv_layout(), mesh, block_size=16, max_model_len=4096, max_num_seqs=64,
-                     kv_cache_memory_bytes=budget)
+    from tp_jax.serving.engine_args import EngineArgs
+    pool = plan_pool(model.kv_layout(), mesh, EngineArgs(block_size=16, max_model_len=4096, max_num_seqs=64,
+                                                         kv_cache_memory_bytes=budget))
     kv_local = max(1, cfg.num_kv_heads // 8)              # KV heads replicated when tp exceeds them
     per_block = 2 * cfg.num_layers * 16 * kv_local * cfg.head_dim * 2
     assert pool.num_blocks == min(budget // per_block, 64 * 4096 // 16)

@@ -148,7 +148,8 @@ def arrivals(pairs) -> dict[int, list[Request]]:
 
 
 def config(**kw) -> SchedulerConfig:
-    base = dict(max_num_seqs=8, max_num_batched_tokens=32, block_size=4, num_blocks=64)
+    base = dict(max_num_seqs=8, max_num_batched_tokens=32, block_size=4, num_blocks=64, num_replicas=1,
+                enable_prefix_caching=True)
     return SchedulerConfig(**{**base, **kw})
 
 

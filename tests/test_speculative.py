@@ -244,8 +244,9 @@ def test_the_kv_budget_pays_for_both_pools():
     target, draft = KVLayout(2, 2, 16, np.dtype(np.float32)), KVLayout(3, 1, 8, np.dtype(np.float32))
     both = sum(block_bytes_per_device(x, 4, (1, 1, 1)) for x in (target, draft))
     assert both == 2 * 4 * 4 * (2 * 2 * 16 + 3 * 1 * 8)                    # K and V, f32, block of 4 tokens
-    plan = lambda **kw: plan_pool(target, mesh, block_size=4, max_model_len=64, max_num_seqs=64,  # noqa: E731
-                                  kv_cache_memory_bytes=50 * both, **kw).num_blocks
+    from tp_jax.serving.engine_args import EngineArgs
+    limits = EngineArgs(block_size=4, max_model_len=64, max_num_seqs=64, kv_cache_memory_bytes=50 * both)
+    plan = lambda **kw: plan_pool(target, mesh, limits, **kw).num_blocks       # noqa: E731
     assert plan(draft_layout=draft) == 50 and plan() == 50 * both // block_bytes_per_device(target, 4, (1, 1, 1))
 
 
@@ -419,7 +420,7 @@ def test_disable_by_batch_size_and_penalties_turn_proposals_off(gqa):
     from tp_jax.serving.resolve import CPU_SPEC_BATCH
     path, refs = gqa
     auto = LLM(path, speculative_config=SPEC, progress=False)
-    assert auto.engine.core.config.speculative.disable_by_batch_size == CPU_SPEC_BATCH
+    assert auto.engine.core.config.speculative_config.disable_by_batch_size == CPU_SPEC_BATCH
     assert f'"disable_by_batch_size": {CPU_SPEC_BATCH}' in auto.setup.summary()          # said, with its reason
     off = LLM(path, speculative_config={**SPEC, "disable_by_batch_size": 2}, progress=False)
     outs = off.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0.0))

@@ -32,8 +32,7 @@ its own length alone, so its numbers never depend on the other rows of its step.
 (q, k_pool, v_pool, layer, positions, batch: one micro-batch's PagedBatch, scale, window); the
 reference (gather + masked softmax in jax.numpy, float32) runs everywhere and is the oracle for
 any other: "bf16" attends the decode rows split-K with both dots' operands rounded to bfloat16
-(float32 accumulation; the resolve step's rule picks it on a CPU with AMX when the weights run
-bf16 dots). A Pallas kernel for an accelerator registers the same way (`LLM(attention_backend=...)`).
+(float32 accumulation; only when named: `LLM(attention_backend="bf16")`). A Pallas kernel for an accelerator registers the same way (`LLM(attention_backend=...)`).
 """
 
 from __future__ import annotations

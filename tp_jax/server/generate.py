@@ -110,7 +110,7 @@ def run(args) -> int:
         elif not streaming:
             print(f"{prompt_header(i, texts[i])}\n{o.text}")
     stats.kv_cache_bytes_per_device = llm.engine.core.pool.bytes_per_device
-    if llm.engine.core.config.speculative is not None:
+    if llm.engine.core.config.speculative_config is not None:
         stats.spec = llm.engine.core.spec
     if is_driver():
         print(stats.line(), file=sys.stderr if args.json else sys.stdout)

@@ -53,7 +53,7 @@ def engine_snapshot(engine) -> dict:
             "prefix_hit_rate": hits / queries if queries else 0.0, "prefix_queries": queries, "prefix_hits": hits,
             "generated_tokens": core.stats["generated_tokens"], "preemptions": core.stats["preemptions"],
             "steps": core.stats["steps"], "constrained_tokens": core.stats["constrained_tokens"],
-            "grammar_seconds": core.stats["grammar_seconds"], "spec": None if core.config.speculative is None
+            "grammar_seconds": core.stats["grammar_seconds"], "spec": None if core.config.speculative_config is None
             else dataclasses.replace(core.spec, accepted_per_pos=list(core.spec.accepted_per_pos))}
 
 

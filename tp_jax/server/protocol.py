@@ -26,12 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tp_jax.server.constraints import (FunctionDefinition, FunctionName, NamedToolChoice, ResponseFormat,
                                        StructuredOutputsRequest, Tool)
+from tp_jax.serving.engine_args import default
 from tp_jax.serving.sampling import SamplingParams
 from tp_jax.serving.structured import StructuredOutputsParams
 
 log = logging.getLogger("tp_jax.server")
 
-MAX_LOGPROBS = 20           # the engine's max_logprobs (EngineConfig)
+MAX_LOGPROBS = default("max_logprobs")    # EngineArgs' (the server's engines keep the default: no flag)
 MAX_STOP = 4                # stop strings per request (OpenAI's limit)
 
 class FieldError(ValueError):

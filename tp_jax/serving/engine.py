@@ -1,6 +1,6 @@
 """The engine core (vLLM v1's EngineCore): requests in, one scheduled step at a time, tokens out.
 
-    core = EngineCore(model, mesh, EngineConfig(max_model_len=2048, ...), eos_token_ids=(2,))
+    core = EngineCore(model, mesh, llm.setup, eos_token_ids=(2,))     # setup: the resolved configuration
     core.add("a", [1, 2, 3], SamplingParams(max_tokens=8))     # prepared by the front door (LLMEngine)
     while core.has_unfinished():
         for out in core.step(): ...          # EngineOutput: the new token of each request that got one
@@ -30,17 +30,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from tp_jax.multihost.distributed import broadcast_bytes, is_driver, share_from_driver, to_global
-from tp_jax.parallel.mesh import DP, PP
+from tp_jax.parallel.mesh import DP
 from tp_jax.serving import prompt_logprobs, sampling, structured
 from tp_jax.serving.batch import (MIN_BLOCKS, MIN_TOKENS, StepBatch, StepShape, bucket, build_batch, chunk_blocks,
                                   fine_bucket, prefill_layout, sample_offsets, sampled_rows)
 from tp_jax.serving.draft_model import DraftModel
-from tp_jax.serving.engine_args import default
 from tp_jax.serving.kv_pool import plan_pool
 from tp_jax.serving.outputs import PromptLogprobs, SampleLogprobs, position_logprobs
 from tp_jax.serving.penalties import Penalties
 from tp_jax.serving.plan import StepPlan
 from tp_jax.serving.request import Request
+from tp_jax.serving.resolve import EngineSetup
 from tp_jax.serving.runner import ModelRunner
 from tp_jax.serving.sampling import SamplingParams
 from tp_jax.serving.scheduler import Scheduler, SchedulerConfig
@@ -49,61 +49,6 @@ from tp_jax.serving.speculative import SpecCounters, SpeculativeConfig, accepted
 
 log = logging.getLogger("tp_jax.engine")
 _RELEASE = b"\x00"                    # a plan is an .npz (starts with b"PK"); this byte ends follow()
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """The serving limits the engine core reads (vLLM's names; defaults and meanings: EngineArgs, built from
-    the resolved configuration by `from_setup`). Pool size: `num_gpu_blocks`, else `kv_cache_memory_bytes`
-    (per device), else the default budget (tp_jax/serving/kv_pool.py)."""
-    max_model_len: int
-    max_num_seqs: int = default("max_num_seqs")
-    max_num_batched_tokens: int = default("max_num_batched_tokens")
-    block_size: int = default("block_size")
-    num_gpu_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = default("gpu_memory_utilization")
-    enable_prefix_caching: bool = default("enable_prefix_caching")
-    num_microbatches: int | None = None           # pp micro-batches per replica (default pp)
-    max_logprobs: int = 20
-    seed: int = default("seed")
-    attention_backend: str = "reference"          # tp_jax/models/attention.py PAGED_BACKENDS
-    speculative: SpeculativeConfig | None = None  # tp_jax/serving/speculative.py
-    enable_lora: bool = False                     # LoRA adapters (tp_jax/serving/lora.py)
-    max_loras: int = default("max_loras")
-    max_lora_rank: int = default("max_lora_rank")
-    max_cpu_loras: int | None = None
-
-    @classmethod
-    def from_setup(cls, setup) -> EngineConfig:
-        """The engine's part of a resolved configuration (tp_jax/serving/resolve.py EngineSetup)."""
-        a = setup.args
-        return cls(max_model_len=setup.max_model_len, max_num_seqs=a.max_num_seqs,
-                   max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                   num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-                   gpu_memory_utilization=a.gpu_memory_utilization, enable_prefix_caching=a.enable_prefix_caching,
-                   num_microbatches=setup.num_microbatches, seed=a.seed, attention_backend=setup.attention_backend,
-                   speculative=setup.speculative_config, enable_lora=a.enable_lora, max_loras=a.max_loras,
-                   max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras)
-
-    def __post_init__(self):
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (0 if name == "max_logprobs" else 1):
-                raise ValueError(f"{name}={v!r} must be a positive integer")
-        if self.max_num_batched_tokens < self.block_size:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than one block "
-                             f"(block_size={self.block_size}); raise it to at least {self.block_size}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        from tp_jax.models.attention import PAGED_BACKENDS
-        if self.attention_backend not in PAGED_BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r} is not registered; choose one of "
-                             f"{sorted(PAGED_BACKENDS)} (or register yours in tp_jax/models/attention.py PAGED_BACKENDS)")
-        for name in ("num_gpu_blocks", "kv_cache_memory_bytes"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
-                raise ValueError(f"{name}={v!r} must be a positive integer (a zero-sized KV pool holds nothing)")
 
 
 @dataclasses.dataclass
@@ -126,20 +71,16 @@ class EngineOutput:
 
 
 class EngineCore:
-    def __init__(self, model: nnx.Module, mesh: Mesh, config: EngineConfig, eos_token_ids=(), draft_model=None):
-        """`draft_model`: the loaded draft (nnx.Module, on `mesh`) of a draft-model speculative config."""
+    def __init__(self, model: nnx.Module, mesh: Mesh, config: EngineSetup, eos_token_ids=(), draft_model=None):
+        """`config`: the resolved configuration (`LLM.setup`; read, never restated). `draft_model`: the loaded
+        draft (nnx.Module, on `mesh`) of a draft-model speculative config."""
         self.config, self.mesh = config, mesh
         self.vocab_size = model.config.vocab_size
         self.eos = frozenset(int(t) for t in eos_token_ids)
-        dp, pp = mesh.shape[DP], mesh.shape[PP]
-        self.microbatches = pp if config.num_microbatches is None else config.num_microbatches
-        if self.microbatches < 1:
-            raise ValueError(f"num_microbatches={self.microbatches} must be >= 1")
+        dp = mesh.shape[DP]
+        self.microbatches = config.num_microbatches
         draft_layout = None if draft_model is None else draft_model.kv_layout()     # its pool: the same blocks
-        plan = lambda blocks: plan_pool(model.kv_layout(), mesh, block_size=config.block_size,
-                                        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                                        num_gpu_blocks=blocks, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                                        gpu_memory_utilization=config.gpu_memory_utilization,
+        plan = lambda blocks: plan_pool(model.kv_layout(), mesh, config, num_gpu_blocks=blocks,   # noqa: E731
                                         draft_layout=draft_layout)
         # every process must build the same pool: the driver decides its size from its own budget
         self.pool = plan(share_from_driver(lambda: plan(config.num_gpu_blocks).num_blocks))
@@ -152,23 +93,21 @@ class EngineCore:
             self.lora_slots = LoRASlots(config.max_loras, config.max_cpu_loras or config.max_loras)
             self.lora_loaded: list[int | None] = [None] * config.max_loras      # the adapter each slot holds
         self.model = model
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.block_size, self.pool.num_blocks, dp,
-                                                   config.enable_prefix_caching), self.lora_slots)
+        self.scheduler = Scheduler(SchedulerConfig.of(config, self.pool.num_blocks, dp), self.lora_slots)
         replicated = NamedSharding(mesh, jax.P())
         self.penalties = Penalties(config.max_num_seqs * dp, self.vocab_size, lambda x: to_global(x, replicated))
         self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend,
                                   self.lora)
         from tp_jax.models.attention import SPLIT_K_BACKENDS
         self.split_k = config.attention_backend in SPLIT_K_BACKENDS      # the batch carries decode chunks
-        spec = config.speculative
+        spec = config.speculative_config
         if (spec is not None and spec.method == "draft_model") != (draft_model is not None):
             raise ValueError("EngineCore: pass draft_model exactly when speculative_config names a draft model")
         self.drafter = None if draft_model is None else DraftModel(
             draft_model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend, self.split_k)
         self.requests: dict[str, Request] = {}
         self.rng = np.random.default_rng(config.seed)
-        self.spec = SpecCounters()                     # speculative decoding's totals (config.speculative)
+        self.spec = SpecCounters()                     # speculative decoding's totals (speculative_config)
         self.stats = {"steps": 0, "scheduled_tokens": 0, "generated_tokens": 0, "preemptions": 0, "max_running": 0,
                       "constrained_tokens": 0, "grammar_seconds": 0.0}     # structured outputs: rows, host time
 
@@ -305,7 +244,7 @@ class EngineCore:
     def _propose(self) -> None:
         """Each running request's drafts for this step: none without a speculative config, when more
         than `disable_by_batch_size` requests run, or for a request that cannot use them."""
-        spec = self.config.speculative
+        spec = self.config.speculative_config
         if spec is None:
             return
         running = [req for rows in self.scheduler.running for req in rows]

@@ -22,8 +22,18 @@ from typing import Any
 import numpy as np
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "reference", "bf16")
-LAYER_LOOPS = ("auto", "scan", "switch")
+
+
+def attention_backends() -> tuple[str, ...]:
+    """"auto" and the registered paged attention backends (tp_jax/models/attention.py PAGED_BACKENDS)."""
+    from tp_jax.models.attention import PAGED_BACKENDS
+    return ("auto", *PAGED_BACKENDS)
+
+
+def layer_loops() -> tuple[str, ...]:
+    """"auto" and the layer loops a stack runs (tp_jax/parallel/layers/stack.py LAYER_LOOPS)."""
+    from tp_jax.parallel.layers.stack import LAYER_LOOPS
+    return ("auto", *LAYER_LOOPS)
 
 
 # --- checks: each raises TypeError (wrong type) or ValueError (out of range) naming the argument ---------
@@ -169,13 +179,15 @@ class EngineArgs:
                                        "pipeline_parallel_size)", count(" (pipeline micro-batches; None: "
                                                                         "pipeline_parallel_size)", optional=True))
     seed: int = arg(0, "the engine's randomness for unseeded requests", count("", minimum=None))
+    max_logprobs: int = arg(20, "the most logprobs (and prompt_logprobs) a request may ask for",
+                            count(" (the most logprobs a request may ask for)", minimum=0), cli=False)
     attention_backend: str = arg("auto", "paged attention: auto, reference (float32), bf16 (bf16 dot operands, "
-                                 "float32 accumulation, decode split-K)", one_of(ATTENTION_BACKENDS,
+                                 "float32 accumulation, decode split-K)", one_of(attention_backends,
                                                                                  "an attention backend"),
-                                 choices=ATTENTION_BACKENDS)
+                                 choices=attention_backends)
     layer_loop: str = arg("auto", "how a step runs the decoder layers: auto, scan (stacked weights), switch "
-                          "(per-layer weights read in place)", one_of(LAYER_LOOPS, "a layer loop"),
-                          choices=LAYER_LOOPS)
+                          "(per-layer weights read in place)", one_of(layer_loops, "a layer loop"),
+                          choices=layer_loops)
     enable_expert_parallel: bool = arg(False, "MoE models: whole experts on the dp x tp devices of each stage "
                                        "(default: each expert split over tp)", flag)
     enable_lora: bool = arg(False, "serve LoRA adapters (PEFT's format) beside the base model, one per request "
@@ -203,6 +215,9 @@ class EngineArgs:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             f.metadata["check"](f.name, getattr(self, f.name))
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"LLM: max_num_batched_tokens={self.max_num_batched_tokens} is smaller than one block "
+                             f"(block_size={self.block_size}); raise it to at least {self.block_size}")
         if self.quantization is None:
             object.__setattr__(self, "quantization", "none")
         if self.model is not None:
@@ -229,7 +244,7 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def default(name: str) -> Any:
-    """The default of one argument, for the modules that take part of the list (EngineConfig)."""
+    """The default of one argument (the server's request limits read max_logprobs')."""
     return _default(next(f for f in dataclasses.fields(EngineArgs) if f.name == name))
 
 

@@ -103,10 +103,13 @@ def _available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def plan_pool(layout: KVLayout, mesh: Mesh, *, block_size: int, max_model_len: int, max_num_seqs: int,
-              num_gpu_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-              gpu_memory_utilization: float = 0.9, draft_layout: KVLayout | None = None) -> PoolShape:
-    """The pool's size per replica, or a ValueError naming the numbers and the fix."""
+def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None = None,
+              draft_layout: KVLayout | None = None) -> PoolShape:
+    """The pool's size per replica for the resolved configuration `setup` (its block_size, max_model_len,
+    max_num_seqs, kv_cache_memory_bytes, gpu_memory_utilization; `num_gpu_blocks` as given here, the driver's
+    count on every process), or a ValueError naming the numbers and the fix."""
+    block_size, max_model_len, max_num_seqs = setup.block_size, setup.max_model_len, setup.max_num_seqs
+    kv_cache_memory_bytes, gpu_memory_utilization = setup.kv_cache_memory_bytes, setup.gpu_memory_utilization
     mesh_shape = (mesh.shape[DP], mesh.shape[PP], mesh.shape[TP])
     per_block = sum(block_bytes_per_device(x, block_size, mesh_shape) for x in (layout, draft_layout) if x)
     per_seq = math.ceil(max_model_len / block_size)

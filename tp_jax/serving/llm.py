@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from tp_jax.multihost.distributed import agree, share_from_driver, to_global, to_host
+from tp_jax.parallel.layers.stack import use_layer_loop
 from tp_jax.parallel.mesh import DP, make_mesh
 from tp_jax.parallel.pipeline import choose_microbatches
 from tp_jax.serving import engine_args
-from tp_jax.serving.engine import EngineConfig
 from tp_jax.serving.engine_args import EngineArgs
 from tp_jax.serving.resolve import CheckpointFacts, EngineSetup, Platform, resolve
 
@@ -50,6 +50,28 @@ def build_mesh(tp: int, pp: int, dp: int, devices=None):
     return make_mesh(dp, pp, tp, devices=devices[:need])
 
 
+def checkpoint_facts(checkpoint, mesh) -> CheckpointFacts:
+    """What the resolve step reads of an opened checkpoint: its format, architecture, weight types (headers only)."""
+    from tp_jax.loaders.model import checkpoint_weight_facts
+    from tp_jax.loaders.sources import is_gguf
+    from tp_jax.models.moe import MoEConfig
+    config, source = checkpoint.config, checkpoint.source
+    types, stored_bf16 = checkpoint_weight_facts(config, source, mesh)
+    stored = getattr(source, "source", source)                       # a PackedSource: the files under it
+    fmt = "gguf" if is_gguf(checkpoint.path) else type(stored).__name__.removesuffix("Source").lower()
+    return CheckpointFacts(fmt, config.architecture, types, stored_bf16, experts=isinstance(config, MoEConfig))
+
+
+def engine_model_config(config, setup: EngineSetup):
+    """The model config as this engine runs it: expert parallelism as the setup says (an MoE model), the
+    rotary tables that depend on the context chosen for max_model_len (LongRoPE's factor set)."""
+    from tp_jax.models.decoder import for_max_model_len
+    from tp_jax.models.moe import MoEConfig
+    if isinstance(config, MoEConfig) and config.enable_expert_parallel != setup.enable_expert_parallel:
+        config = dataclasses.replace(config, enable_expert_parallel=setup.enable_expert_parallel)
+    return for_max_model_len(config, setup.max_model_len)
+
+
 class LLM:
     """Load a model onto a (dp, pp, tp) mesh and generate with continuous batching.
 
@@ -60,11 +82,11 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs):
         args = EngineArgs.from_kwargs(model=model, **kwargs)            # types and ranges, before any work
-        from tp_jax.serving import compile_cache as cache
-        self.compile_cache_dir = cache.enable(args.compile_cache)
         from tp_jax.loaders.default import default_model_path
-        from tp_jax.loaders.model import checkpoint_weight_facts, load_from_source
-        from tp_jax.loaders.sources import is_gguf, open_checkpoint
+        from tp_jax.loaders.model import load_from_source
+        from tp_jax.loaders.sources import open_checkpoint
+        from tp_jax.serving import compile_cache
+        self.compile_cache_dir = compile_cache.enable(args.compile_cache)
         self.model_path = default_model_path() if args.model is None else args.model
         args = dataclasses.replace(args, model=self.model_path)
         agree("the LLM arguments", {k: v if isinstance(v, (bool, int, float, str)) else repr(v)
@@ -72,61 +94,66 @@ class LLM:
         self.mesh = build_mesh(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
                                args.devices)
         checkpoint = open_checkpoint(self.model_path)
-        source, self.config = checkpoint.source, checkpoint.config
-        if args.enable_expert_parallel and hasattr(self.config, "enable_expert_parallel"):
-            self.config = dataclasses.replace(self.config, enable_expert_parallel=True)
-        types, stored_bf16 = checkpoint_weight_facts(self.config, source, self.mesh)
-        stored = getattr(source, "source", source)                       # a PackedSource: the files under it
-        fmt = "gguf" if is_gguf(self.model_path) else type(stored).__name__.removesuffix("Source").lower()
-        facts = CheckpointFacts(fmt, self.config.architecture, types, stored_bf16,
-                                experts=hasattr(self.config, "num_experts"))
-        self.setup: EngineSetup = resolve(args, Platform.of(self.mesh), facts, self.config.max_position_embeddings)
-        setup = self.setup
-        log.info(setup.summary())
-        self.dtype = as_dtype(setup.dtype)
-        self.max_model_len, self.num_microbatches = setup.max_model_len, setup.num_microbatches
-        from tp_jax.models.decoder import for_max_model_len
-        self.config = for_max_model_len(self.config, self.max_model_len)      # LongRoPE's factor set
-        choose_microbatches(1, self.num_microbatches)              # bad values fail before the load
-        self.engine_config = EngineConfig.from_setup(setup)
-        draft = self._open_draft(setup.speculative_config)               # a bad draft fails before the load
+        # resolve: every decision, once, logged with its reason; everything below reads `self.setup`
+        self.setup: EngineSetup = resolve(args, Platform.of(self.mesh), checkpoint_facts(checkpoint, self.mesh),
+                                          checkpoint.config.max_position_embeddings)
+        log.info(self.setup.summary())
+        self.config = engine_model_config(checkpoint.config, self.setup)
+        draft = self._open_draft(self.setup.speculative_config)         # a bad draft fails before the load
         if args.num_gpu_blocks is not None or args.kv_cache_memory_bytes is not None:     # a pool too small: fail now
-            from tp_jax.loaders.model import abstract_model
-            from tp_jax.serving.kv_pool import plan_pool
-            layout = lambda config: abstract_model(config, self.mesh, self.dtype).kv_layout()     # noqa: E731
-            plan_pool(layout(self.config), self.mesh, block_size=args.block_size, max_model_len=self.max_model_len,
-                      max_num_seqs=args.max_num_seqs, num_gpu_blocks=args.num_gpu_blocks,
-                      kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                      draft_layout=None if draft is None else layout(draft[1]))
-        self.layer_loop = setup.layer_loop
-        self.model = load_from_source(self.config, source, self.mesh, self.dtype, args.progress,
-                                      check_weights=args.check_weights, quantization=setup.quantization,
-                                      strict=not setup.settings["quantization"].automatic)
-        from tp_jax.loaders.quantize import describe_methods
-        from tp_jax.parallel.layers.stack import use_layer_loop
-        self.quantization = describe_methods(self.model)
-        self.attention_backend = setup.attention_backend
-        use_layer_loop(self.model, self.mesh, self.layer_loop)
+            self._plan_pool(draft)
+        # load
+        self.model = load_from_source(self.config, checkpoint.source, self.mesh, self.dtype, args.progress,
+                                      check_weights=args.check_weights, quantization=self.setup.quantization,
+                                      strict=self.setup.named("quantization"))
+        use_layer_loop(self.model, self.mesh, self.setup.layer_loop)
         self.draft_model = self._load_draft(draft, args)
-        self.seed, self.max_num_seqs = args.seed, args.max_num_seqs
-        self.structured_outputs_config = {k: v for k, v in args.structured_outputs_config.items() if k != "backend"}
+        # the engine: built on first use (`self.engine`)
         self._forward = None
         self._engine = None
         self._tokenizer = None
+
+    # --- the resolved configuration, read (never restated: `self.setup` is the one configuration) ----------
+    @property
+    def dtype(self):
+        """The activations' dtype the setup chose, as a jnp dtype."""
+        return as_dtype(self.setup.dtype)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.setup.max_model_len
+
+    @property
+    def layer_loop(self) -> str:
+        return self.setup.layer_loop
+
+    @property
+    def quantization(self) -> str:
+        """What the loaded layers hold, one description per linear method (e.g. "gguf Q4_1, gguf Q8_0"); the
+        method the setup asked the loader for is `setup.quantization`."""
+        from tp_jax.loaders.quantize import describe_methods
+        return describe_methods(self.model)
+
+    def _plan_pool(self, draft):
+        """The KV pool's size, checked before the weights are read (the engine plans it again, the same way)."""
+        from tp_jax.loaders.model import abstract_model
+        from tp_jax.serving.kv_pool import plan_pool
+        layout = lambda config: abstract_model(config, self.mesh, self.dtype).kv_layout()     # noqa: E731
+        plan_pool(layout(self.config), self.mesh, self.setup, num_gpu_blocks=self.setup.num_gpu_blocks,
+                  draft_layout=None if draft is None else layout(draft[1]))
 
     def _open_draft(self, spec):
         """(checkpoint, config) of a draft-model speculative config's draft, checked against the target."""
         if spec is None or spec.model is None:
             return None
         from tp_jax.loaders.sources import open_checkpoint
-        from tp_jax.models.decoder import for_max_model_len
         from tp_jax.serving.draft_model import check_draft
         where = "LLM: speculative_config"
         try:
             checkpoint = open_checkpoint(spec.model)
         except FileNotFoundError as e:
             raise ValueError(f"{where}: the draft {e}") from None
-        config = for_max_model_len(checkpoint.config, self.max_model_len)
+        config = engine_model_config(checkpoint.config, self.setup)
         check_draft(self.config, config, self.max_model_len, where)
         return checkpoint, config
 
@@ -135,11 +162,10 @@ class LLM:
         if draft is None:
             return None
         from tp_jax.loaders.model import load_from_source
-        from tp_jax.parallel.layers.stack import use_layer_loop
         checkpoint, config = draft
         model = load_from_source(config, checkpoint.source, self.mesh, self.dtype, args.progress,
                                  check_weights=args.check_weights)
-        use_layer_loop(model, self.mesh, self.layer_loop)
+        use_layer_loop(model, self.mesh, self.setup.layer_loop)
         return model
 
     @property
@@ -154,7 +180,7 @@ class LLM:
         return self._forward
 
     def _full_forward(self, model, ids, positions):
-        return model(ids, positions, microbatches=choose_microbatches(ids.shape[0], self.num_microbatches))[0]
+        return model(ids, positions, microbatches=choose_microbatches(ids.shape[0], self.setup.num_microbatches))[0]
 
     def get_logits(self, token_ids) -> np.ndarray:
         """Full forward, no cache: token_ids [B, T] (or one list) -> logits [B, T, V] float32."""
@@ -170,7 +196,7 @@ class LLM:
         if ids.shape[1] > self.max_model_len:
             raise ValueError(f"get_logits: {ids.shape[1]} tokens exceed max_model_len={self.max_model_len}")
         b = ids.shape[0]
-        pad = (-b) % (self.dp * (self.num_microbatches if b > self.dp else 1))
+        pad = (-b) % (self.dp * (self.setup.num_microbatches if b > self.dp else 1))
         ids = np.pad(ids, ((0, pad), (0, 0))).astype(np.int32)
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
         put = lambda x: to_global(x, jax.NamedSharding(self.mesh, jax.P(DP)))
@@ -183,8 +209,9 @@ class LLM:
         if self._engine is None:
             from tp_jax.serving.engine import EngineCore
             from tp_jax.serving.llm_engine import LLMEngine
-            core = EngineCore(self.model, self.mesh, self.engine_config, self.eos_token_ids(), self.draft_model)
-            self._engine = LLMEngine(core, self._tokenizer_or_none(), self.structured_outputs_config)
+            core = EngineCore(self.model, self.mesh, self.setup, self.eos_token_ids(), self.draft_model)
+            structured = {k: v for k, v in self.setup.structured_outputs_config.items() if k != "backend"}
+            self._engine = LLMEngine(core, self._tokenizer_or_none(), structured)
         return self._engine
 
     def eos_token_ids(self) -> tuple[int, ...]:

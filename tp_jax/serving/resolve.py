@@ -29,6 +29,7 @@ from typing import Any
 from tp_jax.parallel.layers.quantization import FLOAT_TYPES, PACKED_METHODS
 from tp_jax.serving.engine_args import EngineArgs
 
+ARG_NAMES = frozenset(f.name for f in dataclasses.fields(EngineArgs))
 NOT_BATCH_INVARIANT = {"w8a8x2_bf16": "picks its dot (int8 or bf16) by the number of rows in the step"}
 
 
@@ -214,10 +215,19 @@ class EngineSetup:
     num_microbatches: int
 
     def __getattr__(self, name):
+        """setup.x: a decided setting, else the argument as given (the one read-only view of the configuration
+        that the engine, the scheduler, the pool and the scripts read)."""
         settings = self.__dict__.get("settings", {})
         if name in settings:
             return settings[name].value
+        args = self.__dict__.get("args")
+        if args is not None and name in ARG_NAMES:
+            return getattr(args, name)
         raise AttributeError(name)
+
+    def named(self, name: str) -> bool:
+        """The user named this setting (it was not decided by a rule): the loader refuses what does not fit it."""
+        return not self.settings[name].automatic
 
     @property
     def batch_invariant(self) -> bool:

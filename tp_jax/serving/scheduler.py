@@ -24,12 +24,19 @@ from tp_jax.serving.request import Request, Status
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
+    """What the scheduler reads: the resolved setup's limits and the pool the engine built (`of`); no defaults of
+    its own (EngineArgs holds them)."""
     max_num_seqs: int                 # running sequences per replica
     max_num_batched_tokens: int       # tokens per step per replica
     block_size: int
-    num_blocks: int                   # per replica
-    num_replicas: int = 1             # dp
-    enable_prefix_caching: bool = True
+    num_blocks: int                   # per replica: the pool's
+    num_replicas: int                 # dp: the mesh's
+    enable_prefix_caching: bool
+
+    @classmethod
+    def of(cls, setup, num_blocks: int, num_replicas: int) -> SchedulerConfig:
+        return cls(setup.max_num_seqs, setup.max_num_batched_tokens, setup.block_size, num_blocks, num_replicas,
+                   setup.enable_prefix_caching)
 
 
 @dataclasses.dataclass

@@ -16,19 +16,18 @@ import resource
 import sys
 import time
 
+from tp_jax.serving import engine_args
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     ap.add_argument("--prompt-tokens", type=int, default=8000)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--simulate-devices", type=int, default=8)
     ap.add_argument("--check", action="store_true", help="compare the first token with transformers")
-    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "switch"],
-                    help="LLM(layer_loop=...): see docs/performance.md")
+    engine_args.add_cli_arguments(ap)
+    ap.set_defaults(tensor_parallel_size=8, max_model_len=8192, max_num_seqs=4)     # this benchmark's, said here
     return ap.parse_args(argv)
 
 
@@ -44,9 +43,7 @@ def main(argv=None) -> int:
     import numpy as np
     from tp_jax import LLM, SamplingParams
     t = time.perf_counter()
-    llm = LLM(args.model, tensor_parallel_size=args.tp, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=4, progress=False,
-              layer_loop=args.layer_loop)
+    llm = LLM(**vars(engine_args.from_cli(args, model=args.model, progress=False)))
     load_s = time.perf_counter() - t
     rss_loaded = peak_rss_mib()
     prompt = np.random.default_rng(0).integers(100, llm.config.vocab_size - 100, args.prompt_tokens).tolist()
@@ -58,7 +55,7 @@ def main(argv=None) -> int:
             first = (time.perf_counter() - t, ev.token_id)
     total = time.perf_counter() - t
     core = llm.engine.core
-    result = {"prompt_tokens": args.prompt_tokens, "max_model_len": args.max_model_len, "tp": args.tp,
+    result = {"prompt_tokens": args.prompt_tokens, "max_model_len": args.max_model_len, "tp": args.tensor_parallel_size,
               "chunk_tokens": args.max_num_batched_tokens, "load_s": round(load_s, 2),
               "time_to_first_token_s": round(first[0], 2), "rest_s": round(total - first[0], 2),
               "steps": core.stats["steps"], "compiled_step_shapes": len(core.runner.compiled_shapes),

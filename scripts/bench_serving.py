@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from tp_jax.server.bench_client import summarize
+from tp_jax.serving import engine_args
 
 
 def parse_args(argv=None):
@@ -38,21 +39,12 @@ def parse_args(argv=None):
     ap.add_argument("--output-len", type=int, nargs=2, default=[8, 256], metavar=("MIN", "MAX"))
     ap.add_argument("--rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at once)")
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt every request starts with")
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--simulate-devices", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--no-transformers", action="store_true")
-    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "switch"],
-                    help="LLM(layer_loop=...): see docs/performance.md")
-    ap.add_argument("--quantization", default="auto", help="LLM(quantization=...): docs/quantization.md")
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--server", default=None, help="base URL of a running OpenAI-compatible server")
-    return ap.parse_args(argv)
+    engine_args.add_cli_arguments(ap)                     # the engine's flags, as `tp-jax serve` has them (--seed: the
+    return ap.parse_args(argv)                            # workload's too)
 
 
 def make_workload(args, vocab: int) -> list[dict]:
@@ -98,10 +90,7 @@ def bench_ours(args, work):
     from tp_jax import LLM
     from tp_jax.serving.stats import CompileClock
     CompileClock.start()
-    llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-              data_parallel_size=args.dp, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-              layer_loop=args.layer_loop, quantization=args.quantization, progress=False)
+    llm = LLM(**vars(engine_args.from_cli(args, model=args.model, progress=False)))
     t = time.monotonic()
     run_ours(llm, work)                                   # warm-up: compiles the step shapes it needs
     warm = time.monotonic() - t
@@ -170,9 +159,8 @@ def main(argv=None) -> int:
     model_path = default_model_path() if args.model is None else args.model
     _, cfg = open_checkpoint(model_path)
     work = make_workload(args, cfg.vocab_size)
-    result = {"model": os.path.basename(model_path), "platform": jax.default_backend(), "tp": args.tp, "pp": args.pp,
-              "layer_loop": args.layer_loop,
-              "dp": args.dp, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
+    result = {"model": os.path.basename(model_path), "platform": jax.default_backend(), "tp": args.tensor_parallel_size,
+              "pp": args.pipeline_parallel_size, "layer_loop": args.layer_loop, "dp": args.data_parallel_size, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
               "output_len": args.output_len, "shared_prefix": args.shared_prefix,
               "rate": "inf" if np.isinf(args.rate) else args.rate}
     llm, result["tp_jax"] = bench_ours(args, work)

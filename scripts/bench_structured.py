@@ -17,6 +17,8 @@ import json
 import os
 import time
 
+from tp_jax.serving import engine_args
+
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -24,11 +26,9 @@ def parse_args():
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per side")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--dp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--simulate-devices", type=int, default=0)
     ap.add_argument("--prompt", default="Write the inventory as JSON:")
+    engine_args.add_cli_arguments(ap)
     return ap.parse_args()
 
 
@@ -66,8 +66,7 @@ def main():
         simulate_cpu_devices(args.simulate_devices)
     import jax
     from tp_jax import LLM, SamplingParams, StructuredOutputsParams
-    llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, pipeline_parallel_size=args.pp,
-              max_num_seqs=max(args.requests, 1), progress=False)
+    llm = LLM(**vars(engine_args.from_cli(args, model=args.model, progress=False)))
     ids = llm.get_tokenizer().encode(args.prompt)
     n, core = args.tokens, llm.engine.core
     k = n + 2                                                # max_tokens: no request ends inside the timed steps
@@ -92,7 +91,7 @@ def main():
     valid_prefix = all(o.outputs[0].text.startswith("[{") for o in outs)
     print(json.dumps({
         "model": os.path.basename(llm.model_path), "platform": jax.default_backend(), "devices": jax.device_count(),
-        "tp": args.tp, "dp": args.dp, "pp": args.pp, "requests": args.requests, "decode_steps": n,
+        "tp": args.tensor_parallel_size, "dp": args.data_parallel_size, "pp": args.pipeline_parallel_size, "requests": args.requests, "decode_steps": n,
         "unconstrained_tokens_per_s": round(tps["unconstrained"], 2),
         "constrained_tokens_per_s": round(tps["constrained"], 2),
         "constrained_over_unconstrained": round(tps["constrained"] / tps["unconstrained"], 3),

@@ -21,6 +21,8 @@ import re
 import tempfile
 import time
 
+from tp_jax.serving import engine_args
+
 KINDS = ("dot", "gather", "scatter")
 CONTROL = ("conditional", "while", "call")     # their thunks' time is their body's: not counted twice
 
@@ -28,13 +30,12 @@ CONTROL = ("conditional", "while", "call")     # their thunks' time is their bod
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
-    ap.add_argument("--quantization", default="auto")
-    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--top", type=int, default=10)
+    engine_args.add_cli_arguments(ap)
     args = ap.parse_args(argv)
     for name in ("batch", "tokens", "repeat"):
         if getattr(args, name) < 1:
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     from jax.profiler import ProfileData
     from bench_decode import decode_step
     from tp_jax import LLM
-    llm = LLM(args.model, quantization=args.quantization, attention_backend=args.attention_backend, progress=False)
+    llm = LLM(**vars(engine_args.from_cli(args, model=args.model, progress=False)))
     ids = (list(range(100, 100 + args.prompt_tokens)) if args.prompt_tokens
            else llm.get_tokenizer().encode("Once upon a time"))
     step = decode_step(llm, ids, args.batch, args.tokens)

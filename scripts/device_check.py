@@ -1,13 +1,17 @@
 """The device check: what has only run on CPUs, run on one NVIDIA GPU in under 8 minutes, one JSON summary.
 
     python scripts/device_check.py                          # a GPU host: installs the [cuda12] extra if needed
+    python scripts/device_check.py --wheels wheels          # an air-gapped GPU host (scripts/offline_wheels.py)
     python scripts/device_check.py --platform cpu --quick   # the dry run on CPU (tests/test_device_check.py)
 
-Before anything else (fail loudly and early, exit 2, one `error:` line): with `--platform cuda`, the [cuda12]
-extra is installed when jax's CUDA plugin is missing (`pip install -e ".[cuda12]"`, not counted in the 8 minutes;
-`--no-install` refuses instead), then `preflight` checks that jax sees the platform's device (no GPU visible:
-exit 2) and that jax, jaxlib and the CUDA plugin are one version (a wrong jaxlib: exit 2). Then the checks, each
-timed; a failed one is recorded and the others still run:
+Before anything else (fail loudly and early, exit 2, one `error:` line): with `--wheels DIR`, the wheels there
+(made by scripts/offline_wheels.py: the runtime packages a host with jax, torch and transformers lacks) are
+installed offline (`pip install --no-index --no-deps --target DIR/site`) and put on the path, this process's and
+its children's. The jax found is used when jax, jaxlib and a CUDA plugin (cuda12 or cuda13) are one version inside
+pyproject.toml's range; with `--platform cuda` and no plugin at all, the [cuda12] extra is installed from the
+network (`pip install -e ".[cuda12]"`, not counted in the 8 minutes; `--no-install` or `--wheels` refuse instead).
+`preflight` then checks that jax sees the platform's device (no GPU visible: exit 2) and the versions (a wrong
+jaxlib: exit 2). Then the checks, each timed; a failed one is recorded and the others still run:
 
   golden    tiny Llama variants (one with --quick) vs transformers (torch CPU, float32): logits within 1e-4 and
             argmax equal in float32 (jax's float32 matmul precision; its default precision recorded beside it:
@@ -43,7 +47,7 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)                     # the tests' reference helpers (tests/tiny_models.py, ...)
-CUDA_PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
+CUDA_MAJORS = (12, 13)                       # jax's CUDA plugins: jax-cuda{N}-plugin and jax-cuda{N}-pjrt
 BATCHES = (1, 8, 32)
 KV_BYTES = 2**30                             # each LLM's pool: bounded, so several fit on one device
 ENGINE = dict(progress=False, max_num_seqs=max(BATCHES), kv_cache_memory_bytes=KV_BYTES)
@@ -68,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="tiny models only (no SmolLM2), a short benchmark")
     ap.add_argument("--out", default="device_check.json", help="the JSON summary's path")
     ap.add_argument("--no-install", action="store_true", help="never pip-install the [cuda12] extra")
+    ap.add_argument("--wheels", default=None, help="an air-gapped host: install the wheels in this folder offline "
+                    "first (scripts/offline_wheels.py makes them)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="the time the checks must fit in (default 8 min)")
     args = ap.parse_args(argv)
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -75,24 +81,56 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--out {args.out!r}: the directory {out_dir!r} does not exist")
     if args.budget_s <= 0:
         ap.error(f"--budget-s {args.budget_s} must be > 0")
+    if args.wheels is not None and not (os.path.isdir(args.wheels) and
+                                        any(f.endswith(".whl") for f in os.listdir(args.wheels))):
+        ap.error(f"--wheels {args.wheels!r}: no .whl files there; make them with scripts/offline_wheels.py")
     return args
 
 
 # --- before jax starts: the [cuda12] extra, the platform ---------------------------------------------------
 
-def missing_cuda_packages() -> list[str]:
-    out = []
-    for name in CUDA_PACKAGES:
-        try:
-            importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out.append(name)
-    return out
+def installed(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cuda_packages() -> tuple[str, ...]:
+    """The CUDA plugin's two packages jax would load (cuda13 first, then cuda12); () when neither is whole."""
+    for major in sorted(CUDA_MAJORS, reverse=True):
+        names = (f"jax-cuda{major}-plugin", f"jax-cuda{major}-pjrt")
+        if all(installed(n) for n in names):
+            return names
+    return ()
+
+
+def jax_range() -> str:
+    """pyproject.toml's requirement on jax (e.g. ">=0.10.2,<0.13")."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    return next(d for d in deps if d.startswith("jax")).removeprefix("jax").strip()
+
+
+def install_wheels(folder: str) -> str:
+    """The wheels in `folder` installed offline into folder/site, on this process's path and its children's."""
+    site = os.path.join(os.path.abspath(folder), "site")
+    wheels = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".whl"))
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
+                        "--target", site, *wheels], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise PreflightError(f"installing the wheels of {folder} offline failed (exit {r.returncode}): "
+                             f"{r.stderr.strip()[-500:]}; remake them with scripts/offline_wheels.py for this "
+                             f"host's Python ({sys.version.split()[0]})")
+    sys.path.insert(0, site)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, ROOT, os.environ.get("PYTHONPATH")) if p)
+    return site
 
 
 def install_cuda_extra() -> None:
     """`pip install -e ".[cuda12]"`, then this script again (jax finds its plugins when it is first imported)."""
-    print(f"installing the [cuda12] extra (missing {', '.join(missing_cuda_packages())}) ...", flush=True)
+    print("installing the [cuda12] extra (no jax CUDA plugin installed) ...", flush=True)
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{ROOT}[cuda12]"], timeout=1200)
     if r.returncode != 0:
         raise PreflightError(f"pip install -e '.[cuda12]' failed (exit {r.returncode}); install jax[cuda12] "
@@ -102,9 +140,10 @@ def install_cuda_extra() -> None:
 
 def preflight(args) -> dict:
     """jax's platform and versions, or PreflightError naming what is wrong."""
-    if args.platform == "cuda" and missing_cuda_packages():
-        raise PreflightError(f"wrong jaxlib: no CUDA plugin ({', '.join(missing_cuda_packages())} not installed); "
-                             f"pip install -e '.[cuda12]' (or run without --no-install)")
+    plugin = cuda_packages() if args.platform == "cuda" else ()
+    if args.platform == "cuda" and not plugin:
+        raise PreflightError("wrong jaxlib: no CUDA plugin (neither jax-cuda12-plugin + jax-cuda12-pjrt nor the "
+                             "cuda13 pair is installed); pip install -e '.[cuda12]' (or run without --no-install)")
     try:
         import jax
         import jaxlib
@@ -118,13 +157,16 @@ def preflight(args) -> dict:
     if devices[0].platform != want:
         raise PreflightError(f"no GPU visible: jax's devices are {devices[0].platform} ({devices})")
     versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": sys.version.split()[0]}
-    if args.platform == "cuda":
-        versions.update({name: importlib.metadata.version(name) for name in CUDA_PACKAGES})
+    versions.update({name: installed(name) for name in plugin})
     release = lambda v: v.split("+")[0].split(".")[:3]                               # noqa: E731
     wrong = {k: v for k, v in versions.items() if k != "python" and release(v) != release(jax.__version__)}
     if wrong:
         raise PreflightError(f"wrong jaxlib: jax {jax.__version__} with {wrong}; install matching versions "
                              f"(pip install -e '.[cuda12]')")
+    from packaging.specifiers import SpecifierSet
+    if jax.__version__ not in SpecifierSet(jax_range()):
+        raise PreflightError(f"wrong jax: {jax.__version__} is outside tp_jax's range jax{jax_range()} "
+                             f"(pyproject.toml); install a jax in it")
     d = devices[0]
     device = {"platform": d.platform, "kind": d.device_kind, "count": len(devices),
               "memory_bytes": (d.memory_stats() or {}).get("bytes_limit")}
@@ -298,7 +340,7 @@ def check_server(ctx) -> dict:
     from tp_jax.serving.sampling import SamplingParams
     if ctx.quick:
         from tests.tiny_models import make_tokenized_checkpoint
-        path = make_tokenized_checkpoint(ctx.tmp, default_model_path())
+        path = make_tokenized_checkpoint(ctx.tmp, ctx.tokenizer_source())
     else:
         path = default_model_path()
     prompt = "Once upon a time"
@@ -330,7 +372,18 @@ CHECKS = {"golden": check_golden, "smollm2": check_smollm2, "greedy": check_gree
 
 class Context:
     def __init__(self, args, tmp: str):
-        self.quick, self.tmp = args.quick, tmp
+        self.quick, self.tmp, self.wheels = args.quick, tmp, args.wheels
+
+    def tokenizer_source(self) -> str:
+        """SmolLM2's tokenizer: the embedded GGUF, else the copy scripts/offline_wheels.py put beside the wheels."""
+        from tp_jax.loaders.default import DefaultModelMissing, default_model_path
+        try:
+            return default_model_path()
+        except DefaultModelMissing:
+            carried = None if self.wheels is None else os.path.join(self.wheels, "tokenizer")
+            if carried is None or not os.path.isdir(carried):
+                raise
+            return carried
 
 
 def write(path: str, summary: dict) -> None:
@@ -348,7 +401,9 @@ def main(argv=None) -> int:
     summary = {"ok": False, "platform": args.platform, "quick": args.quick, "budget_s": args.budget_s, "checks": {}}
     start = time.perf_counter()
     try:
-        if args.platform == "cuda" and missing_cuda_packages() and not args.no_install:
+        if args.wheels is not None:
+            summary["wheels"] = install_wheels(args.wheels)
+        if args.platform == "cuda" and not cuda_packages() and not (args.no_install or args.wheels):
             install_cuda_extra()                   # does not return: this script runs again
         summary.update(preflight(args))
     except PreflightError as e:

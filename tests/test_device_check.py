@@ -82,3 +82,8 @@ def test_a_failed_check_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     assert "1 / 0" in s["checks"]["bench"]["traceback"] and s["checks"]["server"] == {
         "ok": True, "status": 200, "seconds": s["checks"]["server"]["seconds"]}
     assert "FAILED: golden, bench" in capsys.readouterr().out
+
+
+def test_wheels_without_any_wheel_are_refused(tmp_path):
+    r = run("--platform", "cpu", "--wheels", str(tmp_path), "--out", str(tmp_path / "c.json"), timeout=120)
+    assert r.returncode == 2 and "no .whl files there" in r.stderr and "offline_wheels.py" in r.stderr

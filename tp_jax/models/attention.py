@@ -96,11 +96,15 @@ def write_pool(pool: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Arr
     """pool[L, H, NB, bs, hd] with new[N, H, hd] written at layer `layer`, flat slots[N] (< 0: skipped)."""
     num_blocks, block_size = pool.shape[2], pool.shape[3]
     slots = jnp.where(slots < 0, num_blocks * block_size, slots)               # out of range: dropped
+    if jnp.issubdtype(pool.dtype, jnp.floating) and jnp.finfo(pool.dtype).bits == 8:     # an fp8 cache (scale 1.0):
+        big = float(jnp.finfo(pool.dtype).max)                                 # saturate, as vLLM's cast does
+        new = jnp.clip(new, -big, big)
     return pool.at[layer, :, slots // block_size, slots % block_size].set(new.astype(pool.dtype), mode="drop")
 
 
-def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array) -> jax.Array:
-    """The context of each row, head-major: pool[layer, :, tables[R, W]] -> [R, H, W * bs, hd].
+def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array, dtype=None) -> jax.Array:
+    """The context of each row, head-major: pool[layer, :, tables[R, W]] -> [R, H, W * bs, hd], in `dtype` (a
+    quantized cache read back into the activations' dtype; a pool already in it: no conversion).
 
     One gather of whole blocks, each a contiguous [bs, hd] tile: rows of the pool seen as
     [L * H * NB, bs * hd] (a free reshape), which XLA's CPU gather copies about twice as fast as
@@ -110,7 +114,8 @@ def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array) -> jax.Arr
     tiles = pool.reshape(num_layers * h * num_blocks, bs * hd)
     index = (layer * h + jnp.arange(h)[None, :, None]) * num_blocks + tables[:, None, :]        # [R, H, W]
     rows = jnp.take(tiles, index, axis=0, mode="clip")                         # block ids are in range
-    return rows.reshape(tables.shape[0], h, tables.shape[1] * bs, hd)
+    rows = rows.reshape(tables.shape[0], h, tables.shape[1] * bs, hd)
+    return rows if dtype is None or rows.dtype == dtype else rows.astype(dtype)
 
 
 def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
@@ -131,8 +136,8 @@ def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
     hq, hd = q.shape[1:]
     hkv = k_pool.shape[1]
     row = batch.chunk_row
-    k = gather_rows(k_pool, layer, batch.chunk_tables)                          # [Rv, Hkv, S, hd]
-    v = k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, batch.chunk_tables)
+    k = gather_rows(k_pool, layer, batch.chunk_tables, q.dtype)                 # [Rv, Hkv, S, hd]
+    v = k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, batch.chunk_tables, q.dtype)
     q_rows = jnp.take(q[:d], row, axis=0, mode="fill", fill_value=0).reshape(rv, hkv, hq // hkv, hd)
     q_pos = jnp.take(positions[:d], row, axis=0, mode="fill", fill_value=-1)    # padding sees no key
     k_pos = batch.chunk_start[:, None] + jnp.arange(k.shape[2])                 # [Rv, S]
@@ -240,8 +245,8 @@ def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn,
     hv = hd if v_dim is None else v_dim
 
     def gather(tables):
-        k = gather_rows(k_pool, layer, tables)
-        return k, (k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, tables))
+        k = gather_rows(k_pool, layer, tables, q.dtype)
+        return k, (k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, tables, q.dtype))
 
     out = jnp.zeros((n, hq * hv), q.dtype)
     if d and decode_fn is not None and batch.chunk_tables.shape[0]:          # no chunks: short tables, full width

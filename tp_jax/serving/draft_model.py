@@ -59,7 +59,8 @@ class DraftModel:
         if jax.process_count() > 1:
             raise ValueError("speculative_config: a draft model runs in one process; on many hosts use "
                              "{'method': 'ngram', ...} or no speculative_config")
-        self.pool = dataclasses.replace(target_pool, layout=model.kv_layout())
+        self.pool = dataclasses.replace(target_pool, layout=dataclasses.replace(model.kv_layout(),
+                                                                                dtype=target_pool.layout.dtype))
         self.runner = ModelRunner(model, mesh, self.pool, microbatches, penalties, attention_backend)
         self.microbatches, self.split_k = microbatches, split_k
 

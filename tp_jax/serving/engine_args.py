@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")      # vLLM's names ("fp8" is e4m3)
 
 
 def attention_backends() -> tuple[str, ...]:
@@ -163,6 +164,10 @@ class EngineArgs:
     max_model_len: int | None = arg(None, "tokens per sequence, prompt included (None: the model's limit, at "
                                     "most 2048)", count(" (tokens per sequence, prompt included; None: the "
                                                         "model's limit, at most 2048)", optional=True))
+    kv_cache_dtype: str = arg("auto", "how the KV cache stores keys and values: auto (the activations' dtype), "
+                              "fp8 / fp8_e4m3 or fp8_e5m2 (float8, scale 1.0 as vLLM without checkpoint scales: a "
+                              "quarter of float32's bytes, half of bf16's; read back into the activations' dtype)",
+                              one_of(KV_CACHE_DTYPES, "a KV cache dtype"), choices=KV_CACHE_DTYPES)
     max_num_seqs: int = arg(256, "running sequences per dp replica", count(" (the most sequences generated "
                                                                            "together)"))
     max_num_batched_tokens: int = arg(512, "tokens per step per dp replica (the prefill chunk)",

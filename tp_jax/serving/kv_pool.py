@@ -71,8 +71,10 @@ class PoolShape:
         return self.num_blocks * block_bytes_per_device(self.layout, self.block_size, self.mesh_shape)
 
     def describe(self) -> str:
+        _, pp, tp = self.mesh_shape
         return (f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens per replica, "
-                f"{self.bytes_per_device / 2**20:.1f} MiB per device")
+                f"{self.bytes_per_device / 2**20:.1f} MiB per device ({np.dtype(self.layout.dtype).name}, "
+                f"{self.layout.bytes_per_token(pp, tp)} bytes per token per device)")
 
 
 def block_bytes_per_device(layout: KVLayout, block_size: int, mesh_shape: tuple[int, int, int]) -> int:
@@ -103,11 +105,25 @@ def _available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+KV_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}     # kv_cache_dtype -> stored dtype
+
+
+def stored_layout(layout: KVLayout, kv_cache_dtype: str) -> KVLayout:
+    """`layout` as the pool stores it: "auto" the model's dtype, an fp8 name float8 (scale 1.0, as vLLM's fp8 cache
+    without checkpoint scales; the attention reads it back into the activations' dtype)."""
+    if kv_cache_dtype in ("auto", None):
+        return layout
+    return dataclasses.replace(layout, dtype=np.dtype(KV_DTYPES[{"fp8": "fp8_e4m3"}.get(kv_cache_dtype,
+                                                                                        kv_cache_dtype)]))
+
+
 def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None = None,
               draft_layout: KVLayout | None = None) -> PoolShape:
     """The pool's size per replica for the resolved configuration `setup` (its block_size, max_model_len,
-    max_num_seqs, kv_cache_memory_bytes, gpu_memory_utilization; `num_gpu_blocks` as given here, the driver's
-    count on every process), or a ValueError naming the numbers and the fix."""
+    max_num_seqs, kv_cache_memory_bytes, gpu_memory_utilization, kv_cache_dtype; `num_gpu_blocks` as given here,
+    the driver's count on every process), or a ValueError naming the numbers and the fix."""
+    layout = stored_layout(layout, setup.kv_cache_dtype)
+    draft_layout = None if draft_layout is None else stored_layout(draft_layout, setup.kv_cache_dtype)
     block_size, max_model_len, max_num_seqs = setup.block_size, setup.max_model_len, setup.max_num_seqs
     kv_cache_memory_bytes, gpu_memory_utilization = setup.kv_cache_memory_bytes, setup.gpu_memory_utilization
     mesh_shape = (mesh.shape[DP], mesh.shape[PP], mesh.shape[TP])

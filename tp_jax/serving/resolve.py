@@ -188,6 +188,12 @@ RULES: dict[str, list[Rule]] = {
         Rule("an accelerator", lambda f: True, _speculative, "vLLM's default: proposals at any batch size",
              "the named config"),
     ],
+    "kv_cache_dtype": [
+        Rule("kv_cache_dtype is fp8", lambda f: f.args.kv_cache_dtype == "fp8", "fp8_e4m3", "named by the user "
+             "(vLLM's fp8 is e4m3)"),
+        _asked("kv_cache_dtype"),
+        Rule("otherwise", lambda f: True, "auto", "the activations' dtype: a quantized cache only when named"),
+    ],
     "attention_backend": [
         _asked("attention_backend"),
         Rule("otherwise", lambda f: True, "reference", "each row attends its own blocks in fixed key chunks, in the "

@@ -27,7 +27,7 @@ from flax import nnx
 
 from tp_jax.models.attention import soft_cap
 from tp_jax.models.cache import KVCache, KVLayout, run_layers
-from tp_jax.models.decoder import FEED_FORWARDS, DecoderConfig, DecoderLayer, make_norm
+from tp_jax.models.decoder import DecoderConfig, DecoderParts
 from tp_jax.parallel.heads import plan_heads
 from tp_jax.parallel.layers import ParallelLMHead, ReplicatedEmbedding, VocabParallelEmbedding
 from tp_jax.parallel.layers.stack import Stack
@@ -85,31 +85,38 @@ class DecoderModel(nnx.Module):
     """ids[B, T], positions[B, T] -> (norm(h)[B, T, D], cache): embeddings, the stacked layers, the final norm.
 
     Args: `cfg` (DecoderConfig), `tp`, `dtype`, `rngs`, `pp` (pipeline stages: the stack is padded
-    to a multiple of pp with identity slots, `layer_map`).
+    to a multiple of pp with identity slots, `layer_map`), `parts` (the classes the layers are built from).
+    A family with other embeddings subclasses it and overrides `embed` (`CausalLM.body`).
     """
 
-    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs, pp: int = 1):
+    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs, pp: int = 1,
+                 parts: DecoderParts = DecoderParts()):
         d = cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, d, tp_size=tp, dtype=dtype, rngs=rngs)
         self.embed_positions = (ReplicatedEmbedding(cfg.max_position_embeddings, d, tp_size=tp, dtype=dtype,
                                                     rngs=rngs) if cfg.learned_positions else None)
         self.layer_map = stage_layer_map(cfg.num_layers, pp)        # stacked slot -> HF layer (-1: identity)
-        self.layers = Stack(lambda r: DecoderLayer(cfg, tp, dtype, r), len(self.layer_map), rngs)
-        self.norm = make_norm(cfg, d, tp, dtype, rngs)
+        self.layers = Stack(lambda r: parts.layer(cfg, tp, dtype, r, parts), len(self.layer_map), rngs)
+        self.norm = parts.make_norm(cfg, d, tp, dtype, rngs)
         self.embed_scale = math.sqrt(d) if cfg.embed_scale else None
         self.varies = cfg.layer_types is not None       # layers differ: each is told its index (DecoderLayer)
         # feed-forwards of several kinds: one stack per kind, each stage's slots of it padded to the busiest stage
         self.ff_plan = None if cfg.ff_kinds is None else feed_forward_plan(cfg.ff_kinds, self.layer_map, pp)
         self.ff_stacks = None if self.ff_plan is None else nnx.Dict({
-            kind: Stack(lambda r, kind=kind: FEED_FORWARDS[kind](cfg, tp, dtype, r), len(m), rngs, layer_map=m)
+            kind: Stack(lambda r, kind=kind: parts.feed_forward(kind)(cfg, tp, dtype, r), len(m), rngs, layer_map=m)
             for kind, m in self.ff_plan.stack_maps.items()})
 
-    def __call__(self, ids, positions, cache: KVCache | None = None, microbatches: int = 1):
+    def embed(self, ids, positions) -> jax.Array:
+        """h[B, T, D] entering the first layer: the token embedding (one all-reduce over tp)."""
         h = self.embed_tokens(ids)
         if self.embed_scale is not None:                # rounded to the dtype first, as transformers does
             h = h * jnp.asarray(self.embed_scale, h.dtype)
         if self.embed_positions is not None:
             h = h + self.embed_positions(positions)
+        return h
+
+    def __call__(self, ids, positions, cache: KVCache | None = None, microbatches: int = 1):
+        h = self.embed(ids, positions)
         h, cache = run_layers(self.layers, h, positions, cache, microbatches, self._slot_args())
         return self.norm(h), cache
 
@@ -129,6 +136,10 @@ class CausalLM(nnx.Module):
     Args: `cfg` (DecoderConfig), `tp_size`, `pp_size`, `dtype`, `rngs`. The LM head is tied to
     `embed_tokens` unless `cfg.tie_word_embeddings` is false.
 
+    A family whose math diverges states its own modules as class attributes: `parts` (a `DecoderParts`: the
+    norm, attention, layer and dense feed-forward classes) and `body` (a `DecoderModel` subclass: embeddings),
+    and overrides `logits` or `kv_layout` where they differ.
+
     The contract the engine relies on (keyword-only past the inputs):
       hidden_states(ids, positions, cache=None, *, microbatches=1) -> (h[B, T, D], cache)
       logits(h[..., D]) -> [..., V]                  (all-gathered over tp)
@@ -136,12 +147,15 @@ class CausalLM(nnx.Module):
       config, dtype, layer_map
     """
 
+    parts: DecoderParts = DecoderParts()
+    body: type[DecoderModel] = DecoderModel
+
     def __init__(self, cfg: DecoderConfig, *, tp_size: int = 1, pp_size: int = 1, dtype=jnp.float32,
                  rngs: nnx.Rngs):
         self.config = cfg
         self.tp_size, self.pp_size = tp_size, pp_size
         self.dtype = np.dtype(dtype)
-        self.model = DecoderModel(cfg, tp_size, dtype, rngs, pp_size)
+        self.model = self.body(cfg, tp_size, dtype, rngs, pp_size, self.parts)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:

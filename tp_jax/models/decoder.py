@@ -173,11 +173,6 @@ def for_max_model_len(cfg: ModelConfig, max_model_len: int) -> ModelConfig:
     return cfg if (rope, local) == (cfg.rope, cfg.local_rope) else dataclasses.replace(cfg, rope=rope, local_rope=local)
 
 
-def make_norm(cfg: DecoderConfig, dim: int, tp: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
-    """The config's norm over the last axis of size `dim`, replicated on every rank."""
-    return NORMS[cfg.norm](dim, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
-
-
 class Attention(nnx.Module):
     """x[B, T, D] -> [B, T, D]: QKV column -> (q/k norm) -> (rope) -> `attend` -> o_proj row (all-reduce).
 
@@ -186,14 +181,14 @@ class Attention(nnx.Module):
     0 * rsqrt(eps) = 0).
     """
 
-    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs, parts: DecoderParts):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.qkv_proj = QKVParallelLinear(d, hd, cfg.num_heads, cfg.num_kv_heads, tp_size=tp, bias=cfg.qkv_bias,
                                           dtype=dtype, rngs=rngs)
         self.o_proj = RowParallelLinear.over_heads(self.qkv_proj.plan, hd, d, bias=cfg.o_bias, dtype=dtype,
                                                    rngs=rngs)
-        self.q_norm = make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
-        self.k_norm = make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
+        self.q_norm = parts.make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
+        self.k_norm = parts.make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
         self.qk_norm = QKNorm(self.qkv_proj.plan, hd, eps=cfg.norm_eps, dtype=dtype, rngs=rngs) \
             if cfg.qk_norm_full else None
         self.freq = None if cfg.rope is None else tuple(inv_freq(cfg.rope, hd).tolist())   # static, not state
@@ -208,10 +203,7 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, cache: LayerCache | None, layer: jax.Array | None = None):
         """`layer`: this layer's index in the model (a traced int32), read only when the layers differ."""
         q, k, v = self.qkv_proj(x)                           # [B, T, q_local | kv_local, hd]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.qk_norm is not None:
-            q, k = self.qk_norm(q, k)
+        q, k = self.norm_qk(q, k)
         if self.freq is not None:
             freq = np.asarray(self.freq, np.float32)
             if self.layer_freqs is not None:
@@ -221,10 +213,25 @@ class Attention(nnx.Module):
         window = self.window
         if self.layer_windows is not None:
             window = jnp.asarray(np.asarray(self.layer_windows, np.int32))[layer]
-        sinks = None if self.sinks is None else self.sinks()
-        out, cache = attend(q, k, v, positions, cache, scale=self.scale, window=window, softcap=self.softcap,
-                            sinks=sinks)
+        out, cache = attend(q, k, v, positions, cache, scale=self.scale, window=window, **self.attend_args())
         return self.o_proj(out), cache
+
+    def norm_qk(self, q, k):
+        """q and k after their norms (per head when `qk_norm`); a family with other q/k norms overrides it."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
+        return q, k
+
+    def attend_args(self) -> dict:
+        """More keyword arguments of `attend` (`softcap`, `sinks`): none here; a family's attention adds its own."""
+        args = {}
+        if self.softcap is not None:
+            args["softcap"] = self.softcap
+        if self.sinks is not None:
+            args["sinks"] = self.sinks()
+        return args
 
 
 class DenseMLP(nnx.Module):
@@ -255,18 +262,19 @@ FEED_FORWARDS: dict[str, Callable[[DecoderConfig, int, object, nnx.Rngs], nnx.Mo
 
 
 class DecoderLayer(nnx.Module):
-    """h[B, T, D] -> h + attention(norm(h)), then + mlp(norm(h)): the one decoder layer of every model.
+    """h[B, T, D] -> h + attention(norm(h)), then + mlp(norm(h)): the pre-norm decoder layer (Llama's).
 
-    Args: `cfg` (DecoderConfig: `norm` picks the norms' kind, `norm_placement` which there are, `feed_forward`
-    the mlp), `tp`, `dtype`, `rngs`. Zero weights (a pipeline identity slot) add exactly zero in every placement.
+    Args: `cfg` (DecoderConfig: `norm_placement` which norms there are, `feed_forward` the mlp), `tp`, `dtype`,
+    `rngs`, `parts` (the norm, attention and feed-forward classes). Zero weights (a pipeline identity slot) add
+    exactly zero in every placement.
     """
 
-    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs, parts: DecoderParts):
         self.placement = cfg.norm_placement
         for name in NORM_PLACEMENTS[cfg.norm_placement]:
-            setattr(self, name, make_norm(cfg, cfg.hidden_size, tp, dtype, rngs))
-        self.self_attn = (Attention if cfg.mla is None else MLAttention)(cfg, tp, dtype, rngs)
-        self.mlp = FEED_FORWARDS[cfg.feed_forward](cfg, tp, dtype, rngs) if cfg.ff_kinds is None else None
+            setattr(self, name, parts.make_norm(cfg, cfg.hidden_size, tp, dtype, rngs))
+        self.self_attn = (parts.attention if cfg.mla is None else MLAttention)(cfg, tp, dtype, rngs, parts)
+        self.mlp = parts.feed_forward(cfg.feed_forward)(cfg, tp, dtype, rngs) if cfg.ff_kinds is None else None
 
     def __call__(self, h, positions, cache: LayerCache | None, layer: jax.Array | None = None, mlp=None):
         """`layer`: the layer's index (layers that differ); `mlp`: its feed-forward when the model holds the
@@ -282,3 +290,30 @@ class DecoderLayer(nnx.Module):
             return h + mlp(self.post_attention_layernorm(h)), cache
         h = h + self.post_attention_layernorm(a)
         return h + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(h))), cache
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderParts:
+    """The module classes a decoder is built from, Llama's by default. A family whose math diverges names its
+    own in its `CausalLM` subclass (`parts = DecoderParts(attention=...)`), defined in its model file or in one
+    module named for the feature and composed from the parallel layers (docs/adding_a_model.md).
+
+      norm:      every norm of the model (the layers', the final one, per-head q/k norms), built as
+                 norm(dim, eps=, tp_size=, dtype=, rngs=); None: the config's `norm` kind (`NORMS`)
+      attention: attention(cfg, tp, dtype, rngs, parts), called as (x, positions, cache, layer) -> (y, cache)
+      layer:     layer(cfg, tp, dtype, rngs, parts), called as (h, positions, cache, layer, mlp) -> (h, cache)
+      dense:     the "dense" feed-forward, make(cfg, tp, dtype, rngs) (other kinds: `FEED_FORWARDS`)
+    """
+    norm: type[nnx.Module] | None = None
+    attention: type[nnx.Module] = Attention
+    layer: type[nnx.Module] = DecoderLayer
+    dense: Callable = DenseMLP
+
+    def make_norm(self, cfg: DecoderConfig, dim: int, tp: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """The model's norm over the last axis of size `dim`, replicated on every rank."""
+        norm = NORMS[cfg.norm] if self.norm is None else self.norm
+        return norm(dim, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
+
+    def feed_forward(self, kind: str) -> Callable:
+        """make(cfg, tp, dtype, rngs) of the feed-forward kind `kind` (a `FEED_FORWARDS` name)."""
+        return self.dense if kind == "dense" else FEED_FORWARDS[kind]

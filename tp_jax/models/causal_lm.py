@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tp_jax.models.attention import soft_cap
 from tp_jax.models.cache import KVCache, KVLayout, run_layers
 from tp_jax.models.decoder import DecoderConfig, DecoderParts
 from tp_jax.parallel.heads import plan_heads
@@ -98,7 +96,6 @@ class DecoderModel(nnx.Module):
         self.layer_map = stage_layer_map(cfg.num_layers, pp)        # stacked slot -> HF layer (-1: identity)
         self.layers = Stack(lambda r: parts.layer(cfg, tp, dtype, r, parts), len(self.layer_map), rngs)
         self.norm = parts.make_norm(cfg, d, tp, dtype, rngs)
-        self.embed_scale = math.sqrt(d) if cfg.embed_scale else None
         self.varies = cfg.layer_types is not None       # layers differ: each is told its index (DecoderLayer)
         # feed-forwards of several kinds: one stack per kind, each stage's slots of it padded to the busiest stage
         self.ff_plan = None if cfg.ff_kinds is None else feed_forward_plan(cfg.ff_kinds, self.layer_map, pp)
@@ -109,8 +106,6 @@ class DecoderModel(nnx.Module):
     def embed(self, ids, positions) -> jax.Array:
         """h[B, T, D] entering the first layer: the token embedding (one all-reduce over tp)."""
         h = self.embed_tokens(ids)
-        if self.embed_scale is not None:                # rounded to the dtype first, as transformers does
-            h = h * jnp.asarray(self.embed_scale, h.dtype)
         if self.embed_positions is not None:
             h = h + self.embed_positions(positions)
         return h
@@ -176,8 +171,7 @@ class CausalLM(nnx.Module):
         return self.model(ids, positions, cache, microbatches)
 
     def logits(self, h: jax.Array) -> jax.Array:
-        logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
-        return soft_cap(logits, self.config.final_softcap)
+        return self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
 
     def __call__(self, ids, positions, cache: KVCache | None = None, *, microbatches: int = 1):
         h, cache = self.hidden_states(ids, positions, cache, microbatches=microbatches)

@@ -46,19 +46,12 @@ from tp_jax.models.mla import MLAConfig, MLAttention
 from tp_jax.models.rope import RopeConfig, for_context, inv_freq, rotate_together
 from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
-from tp_jax.parallel.layers.norm import GemmaRMSNorm, QKNorm, RMSNorm
+from tp_jax.parallel.layers.norm import RMSNorm
 from tp_jax.parallel.layers.qkv import AttentionSinks
 
 # config `norm` -> the replicated norm layer (LayerNorm carries a bias, as GPT-2's does; "gemma_rms" scales
 # by 1 + w in float32).
-NORMS: dict[str, type[nnx.Module]] = {"rms": RMSNorm, "layer": LayerNorm, "gemma_rms": GemmaRMSNorm}
-
-# config `norm_placement` -> the layer's norms, named as HF names them (their order in the layer).
-NORM_PLACEMENTS: dict[str, tuple[str, ...]] = {
-    "pre": ("input_layernorm", "post_attention_layernorm"),
-    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm"),
-    "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
+NORMS: dict[str, type[nnx.Module]] = {"rms": RMSNorm, "layer": LayerNorm}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # config `hidden_act` (HF's names) -> the function; gelu_new / gelu_pytorch_tanh are the tanh approximation.
@@ -76,8 +69,7 @@ class DecoderConfig(ModelConfig):
       intermediate_size: the feed-forward width F.
       norm: a `NORMS` name ("rms": RMSNorm; "layer": LayerNorm with bias); norm_eps its epsilon.
       qkv_bias, o_bias: biases on q/k/v and on the output projection.
-      qk_norm: a per-head RMSNorm on q and k before the rotary embedding (Qwen3).
-      qk_norm_full: instead, one RMSNorm over all of q's heads and one over all of k's (OLMo 2; `QKNorm`).
+      qk_norm: a per-head norm on q and k before the rotary embedding (Qwen3, Gemma 3).
       sliding_window: keys a query sees, itself included (None: full attention).
       rope: the rotary embedding (`RopeConfig`); None: none (positions are learned embeddings).
       learned_positions: a position-embedding table added to the token embedding (GPT-2).
@@ -87,11 +79,7 @@ class DecoderConfig(ModelConfig):
       feed_forward: a `FEED_FORWARDS` name, the feed-forward part of every layer.
       layer_types: None (every layer alike: `sliding_window` applies to all), or one `LAYER_TYPES` entry per
         layer: "sliding_attention" layers see `sliding_window` keys and rotate with `local_rope`,
-        "full_attention" layers see every key and rotate with `rope`.
-      local_rope: the sliding layers' rotary embedding (None: `rope`; Gemma 3's local base).
-      attn_softcap, final_softcap: tanh soft-capping of the attention scores and of the logits (None: none).
-      norm_placement: a `NORM_PLACEMENTS` name, which norms a layer has and where.
-      embed_scale: the token embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype.
+        "full_attention" layers see every key.
       attention_sinks: a learned logit per query head joins each softmax's denominator (gpt-oss).
       mla: DeepSeek's multi-head latent attention (`MLAConfig`, tp_jax/models/mla.py) in place of the QKV
         attention; `head_dim` is then the q/k head width (nope + rope).
@@ -104,7 +92,6 @@ class DecoderConfig(ModelConfig):
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
-    qk_norm_full: bool = False
     sliding_window: int | None = None
     rope: RopeConfig | None = RopeConfig()
     learned_positions: bool = False
@@ -114,11 +101,6 @@ class DecoderConfig(ModelConfig):
     mlp_bias: bool = False
     feed_forward: str = "dense"
     layer_types: tuple[str, ...] | None = None
-    local_rope: RopeConfig | None = None
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
-    norm_placement: str = "pre"
-    embed_scale: bool = False
     ff_kinds: tuple[str, ...] | None = None
     attention_sinks: bool = False
     mla: MLAConfig | None = None
@@ -131,8 +113,7 @@ class DecoderConfig(ModelConfig):
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"{name}: sliding_window={self.sliding_window!r} must be a positive integer "
                              f"(the number of most recent keys a query sees, itself included) or None.")
-        for field, table in (("norm", NORMS), ("hidden_act", ACTIVATIONS), ("feed_forward", FEED_FORWARDS),
-                             ("norm_placement", NORM_PLACEMENTS)):
+        for field, table in (("norm", NORMS), ("hidden_act", ACTIVATIONS), ("feed_forward", FEED_FORWARDS)):
             if getattr(self, field) not in table:
                 raise ValueError(f"{name}: {field}={getattr(self, field)!r}; choose one of {sorted(table)}")
         if self.layer_types is not None:
@@ -145,10 +126,6 @@ class DecoderConfig(ModelConfig):
                                           not set(self.ff_kinds) <= set(FEED_FORWARDS)):
             raise ValueError(f"{name}: ff_kinds={self.ff_kinds!r} must name one of {sorted(FEED_FORWARDS)} for each "
                              f"of the {self.num_layers} layers")
-        for field in ("attn_softcap", "final_softcap"):
-            cap = getattr(self, field)
-            if cap is not None and not cap > 0:
-                raise ValueError(f"{name}: {field}={cap!r} must be a positive number or None")
 
     def layer_windows(self) -> tuple[int, ...] | None:
         """Each layer's window (`FULL_WINDOW` for a global layer), or None when every layer is alike."""
@@ -156,21 +133,17 @@ class DecoderConfig(ModelConfig):
             return None
         return tuple(self.sliding_window if t == "sliding_attention" else FULL_WINDOW for t in self.layer_types)
 
-    def layer_ropes(self) -> tuple[RopeConfig, ...] | None:
-        """Each layer's rotary embedding, or None when every layer rotates alike."""
-        if self.layer_types is None or self.rope is None or self.local_rope in (None, self.rope):
-            return None
-        return tuple(self.local_rope if t == "sliding_attention" else self.rope for t in self.layer_types)
+    def for_context(self, max_model_len: int) -> DecoderConfig:
+        """This config for sequences of up to `max_model_len` tokens: the rotary embedding that depends on the
+        context (LongRoPE's factor set, tp_jax/models/rope.py `for_context`) chosen for it."""
+        rope = for_context(self.rope, max_model_len)
+        return self if rope == self.rope else dataclasses.replace(self, rope=rope)
 
 
 def for_max_model_len(cfg: ModelConfig, max_model_len: int) -> ModelConfig:
-    """`cfg` for an engine holding sequences of up to `max_model_len` tokens: the rotary embeddings that depend on
-    the context (LongRoPE's factor set, tp_jax/models/rope.py `for_context`) chosen for it; other configs as they
-    are."""
-    if not isinstance(cfg, DecoderConfig):
-        return cfg
-    rope, local = for_context(cfg.rope, max_model_len), for_context(cfg.local_rope, max_model_len)
-    return cfg if (rope, local) == (cfg.rope, cfg.local_rope) else dataclasses.replace(cfg, rope=rope, local_rope=local)
+    """`cfg` for an engine holding sequences of up to `max_model_len` tokens (`DecoderConfig.for_context`); other
+    configs as they are."""
+    return cfg.for_context(max_model_len) if isinstance(cfg, DecoderConfig) else cfg
 
 
 class Attention(nnx.Module):
@@ -189,15 +162,10 @@ class Attention(nnx.Module):
                                                    rngs=rngs)
         self.q_norm = parts.make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
         self.k_norm = parts.make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
-        self.qk_norm = QKNorm(self.qkv_proj.plan, hd, eps=cfg.norm_eps, dtype=dtype, rngs=rngs) \
-            if cfg.qk_norm_full else None
         self.freq = None if cfg.rope is None else tuple(inv_freq(cfg.rope, hd).tolist())   # static, not state
-        ropes = cfg.layer_ropes()
-        self.layer_freqs = None if ropes is None else tuple(tuple(inv_freq(r, hd).tolist()) for r in ropes)
         self.rope_scale = 1.0 if cfg.rope is None else cfg.rope.attention_factor
         self.scale = hd ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.window, self.layer_windows = cfg.sliding_window, cfg.layer_windows()
-        self.softcap = cfg.attn_softcap
         self.sinks = AttentionSinks(self.qkv_proj.plan, dtype=dtype, rngs=rngs) if cfg.attention_sinks else None
 
     def __call__(self, x, positions, cache: LayerCache | None, layer: jax.Array | None = None):
@@ -205,33 +173,26 @@ class Attention(nnx.Module):
         q, k, v = self.qkv_proj(x)                           # [B, T, q_local | kv_local, hd]
         q, k = self.norm_qk(q, k)
         if self.freq is not None:
-            freq = np.asarray(self.freq, np.float32)
-            if self.layer_freqs is not None:
-                freq = jnp.asarray(np.asarray(self.layer_freqs, np.float32))[layer]
-            scale = self.rope_scale
-            q, k = rotate_together(q, k, positions, freq, scale)
+            q, k = rotate_together(q, k, positions, self.rope_freq(layer), self.rope_scale)
         window = self.window
         if self.layer_windows is not None:
             window = jnp.asarray(np.asarray(self.layer_windows, np.int32))[layer]
         out, cache = attend(q, k, v, positions, cache, scale=self.scale, window=window, **self.attend_args())
         return self.o_proj(out), cache
 
+    def rope_freq(self, layer):
+        """The inverse frequencies layer `layer` rotates with (every layer alike here; Gemma 3's differ)."""
+        return np.asarray(self.freq, np.float32)
+
     def norm_qk(self, q, k):
         """q and k after their norms (per head when `qk_norm`); a family with other q/k norms overrides it."""
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.qk_norm is not None:
-            q, k = self.qk_norm(q, k)
         return q, k
 
     def attend_args(self) -> dict:
-        """More keyword arguments of `attend` (`softcap`, `sinks`): none here; a family's attention adds its own."""
-        args = {}
-        if self.softcap is not None:
-            args["softcap"] = self.softcap
-        if self.sinks is not None:
-            args["sinks"] = self.sinks()
-        return args
+        """More keyword arguments of `attend` (a soft-cap, sinks): none here; a family's attention adds its own."""
+        return {} if self.sinks is None else {"sinks": self.sinks()}
 
 
 class DenseMLP(nnx.Module):
@@ -264,14 +225,15 @@ FEED_FORWARDS: dict[str, Callable[[DecoderConfig, int, object, nnx.Rngs], nnx.Mo
 class DecoderLayer(nnx.Module):
     """h[B, T, D] -> h + attention(norm(h)), then + mlp(norm(h)): the pre-norm decoder layer (Llama's).
 
-    Args: `cfg` (DecoderConfig: `norm_placement` which norms there are, `feed_forward` the mlp), `tp`, `dtype`,
-    `rngs`, `parts` (the norm, attention and feed-forward classes). Zero weights (a pipeline identity slot) add
-    exactly zero in every placement.
+    Args: `cfg` (DecoderConfig: `feed_forward` the mlp), `tp`, `dtype`, `rngs`, `parts` (the norm, attention and
+    feed-forward classes). A family whose norms sit elsewhere subclasses it: `norms` names the layer's norms (as
+    HF names them; the name tables read it) and `__call__` places them. Zero weights (a pipeline identity slot)
+    add exactly zero.
     """
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
 
     def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs, parts: DecoderParts):
-        self.placement = cfg.norm_placement
-        for name in NORM_PLACEMENTS[cfg.norm_placement]:
+        for name in self.norms:
             setattr(self, name, parts.make_norm(cfg, cfg.hidden_size, tp, dtype, rngs))
         self.self_attn = (parts.attention if cfg.mla is None else MLAttention)(cfg, tp, dtype, rngs, parts)
         self.mlp = parts.feed_forward(cfg.feed_forward)(cfg, tp, dtype, rngs) if cfg.ff_kinds is None else None
@@ -280,16 +242,9 @@ class DecoderLayer(nnx.Module):
         """`layer`: the layer's index (layers that differ); `mlp`: its feed-forward when the model holds the
         feed-forwards in stacks of their own (`ff_kinds`), else `self.mlp`."""
         mlp = self.mlp if mlp is None else mlp
-        if self.placement == "post":
-            a, cache = self.self_attn(h, positions, cache, layer)
-            h = h + self.post_attention_layernorm(a)
-            return h + self.post_feedforward_layernorm(mlp(h)), cache
         a, cache = self.self_attn(self.input_layernorm(h), positions, cache, layer)
-        if self.placement == "pre":
-            h = h + a
-            return h + mlp(self.post_attention_layernorm(h)), cache
-        h = h + self.post_attention_layernorm(a)
-        return h + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(h))), cache
+        h = h + a
+        return h + mlp(self.post_attention_layernorm(h)), cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,17 +1,17 @@
 """The one causal-LM shell every model shares, vLLM's composition (vllm/model_executor/models/llama.py).
 
-    h = embed_tokens(ids) (* sqrt(D)) (+ embed_positions(positions))   vocab-parallel, one all-reduce
-    per layer (params stacked on a leading layer axis, run with lax.scan; `DecoderLayer`):
+    h = embed_tokens(ids)                                   vocab-parallel, one all-reduce (`DecoderModel.embed`)
+    per layer (params stacked on a leading layer axis, run with lax.scan; `DecoderParts.layer`):
       h += o_proj(attn(qkv_proj(norm(h))))                  QKV column -> local heads -> row (all-reduce)
       h += mlp(norm(h))                                     the config's feed-forward part (all-reduce)
-    logits = lm_head(norm(h))                               vocab-parallel, all-gathered (tied: embed_tokens),
-                                                            soft-capped if `final_softcap`
+    logits = lm_head(norm(h))                               vocab-parallel, all-gathered (tied: embed_tokens)
 
 Everything below runs inside `shard_map` on local shapes. With a paged KV cache
 (tp_jax/models/cache.py) attention writes this step's keys and values into the pool and reads each
-row's blocks (tp_jax/models/attention.py); without one it is a full causal forward. What differs
-between models is in the config (`DecoderConfig`, tp_jax/models/decoder.py); a model file holds its
-config map, its HF name table and `register(...)`, and its class is `CausalLM` by another name.
+row's blocks (tp_jax/models/attention.py); without one it is a full causal forward. A model's class is
+`CausalLM` under its HF name; a family that diverges sets `parts` (its modules, tp_jax/models/decoder.py) and
+`body` (a `DecoderModel` with other embeddings: Gemma's scale, GPT-2's positions) and overrides `logits`
+(Gemma's soft-cap) or `kv_layout` (DeepSeek's latent pool) in its model file.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from flax import nnx
 from tp_jax.models.cache import KVCache, KVLayout, run_layers
 from tp_jax.models.decoder import DecoderConfig, DecoderParts
 from tp_jax.parallel.heads import plan_heads
-from tp_jax.parallel.layers import ParallelLMHead, ReplicatedEmbedding, VocabParallelEmbedding
+from tp_jax.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from tp_jax.parallel.layers.stack import Stack
 from tp_jax.parallel.pipeline import stage_layer_map
 
@@ -91,8 +91,6 @@ class DecoderModel(nnx.Module):
                  parts: DecoderParts = DecoderParts()):
         d = cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, d, tp_size=tp, dtype=dtype, rngs=rngs)
-        self.embed_positions = (ReplicatedEmbedding(cfg.max_position_embeddings, d, tp_size=tp, dtype=dtype,
-                                                    rngs=rngs) if cfg.learned_positions else None)
         self.layer_map = stage_layer_map(cfg.num_layers, pp)        # stacked slot -> HF layer (-1: identity)
         self.layers = Stack(lambda r: parts.layer(cfg, tp, dtype, r, parts), len(self.layer_map), rngs)
         self.norm = parts.make_norm(cfg, d, tp, dtype, rngs)
@@ -105,10 +103,7 @@ class DecoderModel(nnx.Module):
 
     def embed(self, ids, positions) -> jax.Array:
         """h[B, T, D] entering the first layer: the token embedding (one all-reduce over tp)."""
-        h = self.embed_tokens(ids)
-        if self.embed_positions is not None:
-            h = h + self.embed_positions(positions)
-        return h
+        return self.embed_tokens(ids)
 
     def __call__(self, ids, positions, cache: KVCache | None = None, microbatches: int = 1):
         h = self.embed(ids, positions)
@@ -162,8 +157,6 @@ class CausalLM(nnx.Module):
         return self.model.layer_map
 
     def kv_layout(self) -> KVLayout:
-        if self.config.mla is not None:           # one latent per token, cached on every tp rank, no values
-            return KVLayout(len(self.layer_map), self.tp_size, self.config.mla.latent_dim, self.dtype, v_head_dim=0)
         plan = plan_heads(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
         return KVLayout(len(self.layer_map), plan.padded_kv_heads, self.config.head_dim, self.dtype)
 

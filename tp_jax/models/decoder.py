@@ -1,32 +1,29 @@
-"""The parts of a decoder layer, each chosen and parameterized by the model's config (`DecoderConfig`).
+"""The decoder layer every model shares (Llama's), its parts, and what a family that diverges overrides.
 
-    DecoderLayer:  h += self_attn(input_layernorm(h))            `norm_placement="pre"`: pre-norm residual,
-                   h += mlp(post_attention_layernorm(h))          two all-reduces (Llama)
-                   h += post_attention_layernorm(self_attn(input_layernorm(h)))         "sandwich" (Gemma 2/3)
-                   h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
-                   h += post_attention_layernorm(self_attn(h))                        "post" (OLMo 2)
-                   h += post_feedforward_layernorm(mlp(h))
+    DecoderLayer:  h += self_attn(input_layernorm(h))            pre-norm residual, two all-reduces
+                   h += mlp(post_attention_layernorm(h))
     Attention:     q, k, v = qkv_proj(x)                          QKV column -> local heads
-                   q, k = q_norm(q), k_norm(k)                    if `qk_norm` (Qwen3, Gemma 3), per head;
-                                                                  `qk_norm_full`: over all heads (OLMo 2),
-                                                                  one tp all-reduce of their statistics
+                   q, k = q_norm(q), k_norm(k)                    if `qk_norm` (Qwen3, Gemma 3), per head
                    q, k = rope(q), rope(k)                        if `rope` is not None (not GPT-2)
-                   o_proj(attend(q, k, v, window, softcap, sinks))  row (all-reduce); sinks: gpt-oss
+                   o_proj(attend(q, k, v, window))                row (all-reduce)
+    DenseMLP:      down_proj(act(gate) * up), gate | up = gate_up_proj(x)
 
-Layers of one stack may differ in value (`layer_types`): a layer's window and rotary frequencies are
-rows of static per-layer tables, indexed by the layer's index (a traced int the stack passes in), so
-the stack stays one scan of one layer body. A uniform model (`layer_types` None) builds no table and
-traces exactly as before.
-    DenseMLP:      down_proj(act(gate) * up), gate | up = gate_up_proj(x)     if `gated_mlp` (Llama)
-                   down_proj(act(up_proj(x)))                                  else (GPT-2)
+`DecoderConfig` holds what these shared parts read: sizes, biases, the per-head q/k norm, the window, the
+rotary embedding, the score scale, the activation (`ACTIVATIONS`) and the feed-forward kind (`FEED_FORWARDS`:
+"dense", and "moe", which tp_jax/models/moe.py adds; each built as `make(cfg, tp, dtype, rngs)` and called as
+`mlp(x)` on local shapes x[B, T, D] -> [B, T, D], its all-reduce inside).
 
-The config says what each part is: the norm kind (`NORMS`), the biases, the q/k norm, the
-window, the rotary embedding, the activation (`ACTIVATIONS`) and the feed-forward part
-(`FEED_FORWARDS`: "dense", and "moe", which tp_jax/models/moe.py adds; each built as
-`make(cfg, tp, dtype, rngs)` and called as `mlp(x)` on local shapes x[B, T, D] -> [B, T, D], its
-all-reduce inside). A model file states its architecture as a
-config map (HF fields -> `DecoderConfig`), not as subclasses; `tp_jax/models/causal_lm.py` wraps the
-layers in the one causal-LM shell. Everything runs inside `shard_map` on local shapes.
+A family whose math diverges owns its modules, in its model file (or one module named for the feature),
+composed from the parallel layers and these classes, and names them in `DecoderParts` (the norm, attention,
+layer and dense feed-forward classes): Gemma's sandwich norms, soft-caps and local rotary (gemma2.py),
+OLMo 2's post-norms and whole-width q/k norms (olmo2.py), gpt-oss's sinks (gpt_oss.py), GPT-2's LayerNorm
+and ungated MLP (gpt2.py), DeepSeek's latent attention (mla.py). The hooks they override: `Attention.norm_qk`,
+`rope_freq`, `attend_args`; `DecoderLayer.norms` and `__call__`.
+
+Layers of one stack may differ in value (`layer_types`): a layer's window (and Gemma 3's rotary frequencies)
+are rows of static per-layer tables, indexed by the layer's index (a traced int the stack passes in), so the
+stack stays one scan of one layer body. A uniform model (`layer_types` None) builds no table. Everything runs
+inside `shard_map` on local shapes; tp_jax/models/causal_lm.py wraps the layers in the one causal-LM shell.
 """
 
 from __future__ import annotations
@@ -42,16 +39,10 @@ from flax import nnx
 from tp_jax.models.attention import FULL_WINDOW, attend
 from tp_jax.models.cache import LayerCache
 from tp_jax.models.config import ModelConfig
-from tp_jax.models.mla import MLAConfig, MLAttention
 from tp_jax.models.rope import RopeConfig, for_context, inv_freq, rotate_together
-from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
+from tp_jax.parallel.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tp_jax.parallel.layers.norm import RMSNorm
-from tp_jax.parallel.layers.qkv import AttentionSinks
 
-# config `norm` -> the replicated norm layer (LayerNorm carries a bias, as GPT-2's does; "gemma_rms" scales
-# by 1 + w in float32).
-NORMS: dict[str, type[nnx.Module]] = {"rms": RMSNorm, "layer": LayerNorm}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # config `hidden_act` (HF's names) -> the function; gelu_new / gelu_pytorch_tanh are the tanh approximation.
@@ -67,43 +58,33 @@ class DecoderConfig(ModelConfig):
 
     Args (besides ModelConfig's):
       intermediate_size: the feed-forward width F.
-      norm: a `NORMS` name ("rms": RMSNorm; "layer": LayerNorm with bias); norm_eps its epsilon.
+      norm_eps: the norms' epsilon.
       qkv_bias, o_bias: biases on q/k/v and on the output projection.
       qk_norm: a per-head norm on q and k before the rotary embedding (Qwen3, Gemma 3).
       sliding_window: keys a query sees, itself included (None: full attention).
       rope: the rotary embedding (`RopeConfig`); None: none (positions are learned embeddings).
-      learned_positions: a position-embedding table added to the token embedding (GPT-2).
       attention_scale: the score scale (None: head_dim ** -0.5).
-      hidden_act: an `ACTIVATIONS` name; gated_mlp: act(gate) * up (True) or act(up) (False);
-      mlp_bias: biases on the feed-forward projections.
+      hidden_act: an `ACTIVATIONS` name; mlp_bias: biases on the feed-forward projections.
       feed_forward: a `FEED_FORWARDS` name, the feed-forward part of every layer.
       layer_types: None (every layer alike: `sliding_window` applies to all), or one `LAYER_TYPES` entry per
         layer: "sliding_attention" layers see `sliding_window` keys and rotate with `local_rope`,
         "full_attention" layers see every key.
-      attention_sinks: a learned logit per query head joins each softmax's denominator (gpt-oss).
-      mla: DeepSeek's multi-head latent attention (`MLAConfig`, tp_jax/models/mla.py) in place of the QKV
-        attention; `head_dim` is then the q/k head width (nope + rope).
       ff_kinds: None (every layer's feed-forward is `feed_forward`), or a `FEED_FORWARDS` name per layer (a
         Qwen MoE stack with dense layers): each kind's layers are their own stack (tp_jax/models/causal_lm.py).
     """
     intermediate_size: int
-    norm: str = "rms"
     norm_eps: float = 1e-5
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
     rope: RopeConfig | None = RopeConfig()
-    learned_positions: bool = False
     attention_scale: float | None = None
     hidden_act: str = "silu"
-    gated_mlp: bool = True
     mlp_bias: bool = False
     feed_forward: str = "dense"
     layer_types: tuple[str, ...] | None = None
     ff_kinds: tuple[str, ...] | None = None
-    attention_sinks: bool = False
-    mla: MLAConfig | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -113,7 +94,7 @@ class DecoderConfig(ModelConfig):
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"{name}: sliding_window={self.sliding_window!r} must be a positive integer "
                              f"(the number of most recent keys a query sees, itself included) or None.")
-        for field, table in (("norm", NORMS), ("hidden_act", ACTIVATIONS), ("feed_forward", FEED_FORWARDS)):
+        for field, table in (("hidden_act", ACTIVATIONS), ("feed_forward", FEED_FORWARDS)):
             if getattr(self, field) not in table:
                 raise ValueError(f"{name}: {field}={getattr(self, field)!r}; choose one of {sorted(table)}")
         if self.layer_types is not None:
@@ -166,7 +147,6 @@ class Attention(nnx.Module):
         self.rope_scale = 1.0 if cfg.rope is None else cfg.rope.attention_factor
         self.scale = hd ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.window, self.layer_windows = cfg.sliding_window, cfg.layer_windows()
-        self.sinks = AttentionSinks(self.qkv_proj.plan, dtype=dtype, rngs=rngs) if cfg.attention_sinks else None
 
     def __call__(self, x, positions, cache: LayerCache | None, layer: jax.Array | None = None):
         """`layer`: this layer's index in the model (a traced int32), read only when the layers differ."""
@@ -192,30 +172,25 @@ class Attention(nnx.Module):
 
     def attend_args(self) -> dict:
         """More keyword arguments of `attend` (a soft-cap, sinks): none here; a family's attention adds its own."""
-        return {} if self.sinks is None else {"sinks": self.sinks()}
+        return {}
 
 
 class DenseMLP(nnx.Module):
-    """x[B, T, D] -> [B, T, D]: column W[D, F_tp] (gate | up merged when `gated_mlp`) -> act -> row W[F_tp, D].
+    """x[B, T, D] -> [B, T, D]: down_proj(act(gate) * up), gate | up = gate_up_proj(x): column W[D, 2 F_tp] merged,
+    row W[F_tp, D].
 
-    Args: `cfg` (DecoderConfig: intermediate_size, hidden_act, gated_mlp, mlp_bias), `tp`, `dtype`, `rngs`.
+    Args: `cfg` (DecoderConfig: intermediate_size, hidden_act, mlp_bias), `tp`, `dtype`, `rngs`.
     """
 
     def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs):
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        if cfg.gated_mlp:
-            self.gate_up_proj = MergedColumnParallelLinear(d, (f, f), tp_size=tp, bias=bias, dtype=dtype, rngs=rngs)
-        else:
-            self.up_proj = ColumnParallelLinear(d, f, tp_size=tp, bias=bias, dtype=dtype, rngs=rngs)
+        self.gate_up_proj = MergedColumnParallelLinear(d, (f, f), tp_size=tp, bias=bias, dtype=dtype, rngs=rngs)
         self.down_proj = RowParallelLinear(f, d, tp_size=tp, bias=bias, dtype=dtype, rngs=rngs)
-        self.gated, self.act = cfg.gated_mlp, cfg.hidden_act
+        self.act = cfg.hidden_act
 
     def __call__(self, x):
-        act = ACTIVATIONS[self.act]
-        if self.gated:
-            gate, up = self.gate_up_proj.split(self.gate_up_proj(x))       # [B, T, F_tp] each
-            return self.down_proj(act(gate) * up)
-        return self.down_proj(act(self.up_proj(x)))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))           # [B, T, F_tp] each
+        return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
 # config `feed_forward` -> make(cfg, tp, dtype, rngs), a module called as mlp(x[B, T, D]) -> [B, T, D].
@@ -235,7 +210,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs, parts: DecoderParts):
         for name in self.norms:
             setattr(self, name, parts.make_norm(cfg, cfg.hidden_size, tp, dtype, rngs))
-        self.self_attn = (parts.attention if cfg.mla is None else MLAttention)(cfg, tp, dtype, rngs, parts)
+        self.self_attn = parts.attention(cfg, tp, dtype, rngs, parts)
         self.mlp = parts.feed_forward(cfg.feed_forward)(cfg, tp, dtype, rngs) if cfg.ff_kinds is None else None
 
     def __call__(self, h, positions, cache: LayerCache | None, layer: jax.Array | None = None, mlp=None):
@@ -254,20 +229,19 @@ class DecoderParts:
     module named for the feature and composed from the parallel layers (docs/adding_a_model.md).
 
       norm:      every norm of the model (the layers', the final one, per-head q/k norms), built as
-                 norm(dim, eps=, tp_size=, dtype=, rngs=); None: the config's `norm` kind (`NORMS`)
+                 norm(dim, eps=, tp_size=, dtype=, rngs=)
       attention: attention(cfg, tp, dtype, rngs, parts), called as (x, positions, cache, layer) -> (y, cache)
       layer:     layer(cfg, tp, dtype, rngs, parts), called as (h, positions, cache, layer, mlp) -> (h, cache)
       dense:     the "dense" feed-forward, make(cfg, tp, dtype, rngs) (other kinds: `FEED_FORWARDS`)
     """
-    norm: type[nnx.Module] | None = None
+    norm: type[nnx.Module] = RMSNorm
     attention: type[nnx.Module] = Attention
     layer: type[nnx.Module] = DecoderLayer
     dense: Callable = DenseMLP
 
     def make_norm(self, cfg: DecoderConfig, dim: int, tp: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
         """The model's norm over the last axis of size `dim`, replicated on every rank."""
-        norm = NORMS[cfg.norm] if self.norm is None else self.norm
-        return norm(dim, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
+        return self.norm(dim, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
 
     def feed_forward(self, kind: str) -> Callable:
         """make(cfg, tp, dtype, rngs) of the feed-forward kind `kind` (a `FEED_FORWARDS` name)."""

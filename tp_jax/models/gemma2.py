@@ -155,7 +155,7 @@ def gemma_config(hf, raw=None, *, qk_norm: bool = False, local_rope: bool = Fals
         num_heads=f["num_attention_heads"], num_kv_heads=f["num_key_value_heads"], head_dim=f["head_dim"],
         norm_eps=float(f["rms_norm_eps"]), rope=rope, local_rope=local, max_position_embeddings=int(f["max_position_embeddings"]),
         tie_word_embeddings=bool(f["tie_word_embeddings"]), qkv_bias=bias, o_bias=bias, qk_norm=qk_norm,
-        hidden_act=f["hidden_activation"], gated_mlp=True, attention_scale=float(f["query_pre_attn_scalar"]) ** -0.5,
+        hidden_act=f["hidden_activation"], attention_scale=float(f["query_pre_attn_scalar"]) ** -0.5,
         attn_softcap=None if caps[0] is None else float(caps[0]),
         final_softcap=None if caps[1] is None else float(caps[1]),
         sliding_window=int(f["sliding_window"]) if "sliding_attention" in types else None,

@@ -58,11 +58,11 @@ def llama_config(hf, raw=None, *, window: str = "none", qk_norm: bool = False, q
         architecture=arch, vocab_size=f["vocab_size"], hidden_size=f["hidden_size"],
         intermediate_size=f["intermediate_size"], num_layers=f["num_hidden_layers"], num_heads=heads,
         num_kv_heads=f["num_key_value_heads"] or heads, head_dim=f["head_dim"] or f["hidden_size"] // heads,
-        norm="rms", norm_eps=float(f["rms_norm_eps"]), rope=rope_from_hf(hf),
+        norm_eps=float(f["rms_norm_eps"]), rope=rope_from_hf(hf),
         max_position_embeddings=int(f["max_position_embeddings"]),
         tie_word_embeddings=bool(f["tie_word_embeddings"]),
         qkv_bias=bias if qkv_bias is None else qkv_bias, o_bias=bias if o_bias is None else o_bias,
-        mlp_bias=bool(f["mlp_bias"]), hidden_act="silu", gated_mlp=True, qk_norm=qk_norm,
+        mlp_bias=bool(f["mlp_bias"]), hidden_act="silu", qk_norm=qk_norm,
         sliding_window=windows[0], layer_types=windows[1],
         bos_token_id=f["bos_token_id"], eos_token_ids=eos_ids(f["eos_token_id"]), **more)
 

@@ -14,7 +14,6 @@ together), the one collective OLMo 2 adds to Llama's two per layer.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from tp_jax.models.causal_lm import CausalLM
 from tp_jax.models.decoder import Attention, DecoderLayer, DecoderParts

@@ -54,7 +54,7 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig(ModelConfig):
-    """ModelConfig plus the fields that choose and size a decoder layer's parts.
+    """ModelConfig plus the fields the shared decoder parts read (a family's own fields are its subclass's).
 
     Args (besides ModelConfig's):
       intermediate_size: the feed-forward width F.
@@ -62,12 +62,12 @@ class DecoderConfig(ModelConfig):
       qkv_bias, o_bias: biases on q/k/v and on the output projection.
       qk_norm: a per-head norm on q and k before the rotary embedding (Qwen3, Gemma 3).
       sliding_window: keys a query sees, itself included (None: full attention).
-      rope: the rotary embedding (`RopeConfig`); None: none (positions are learned embeddings).
+      rope: the rotary embedding (`RopeConfig`); None: none (GPT-2's positions are learned: `GPT2Model`).
       attention_scale: the score scale (None: head_dim ** -0.5).
       hidden_act: an `ACTIVATIONS` name; mlp_bias: biases on the feed-forward projections.
       feed_forward: a `FEED_FORWARDS` name, the feed-forward part of every layer.
       layer_types: None (every layer alike: `sliding_window` applies to all), or one `LAYER_TYPES` entry per
-        layer: "sliding_attention" layers see `sliding_window` keys and rotate with `local_rope`,
+        layer: "sliding_attention" layers see `sliding_window` keys (Gemma 3's rotate with its `local_rope`),
         "full_attention" layers see every key.
       ff_kinds: None (every layer's feed-forward is `feed_forward`), or a `FEED_FORWARDS` name per layer (a
         Qwen MoE stack with dense layers): each kind's layers are their own stack (tp_jax/models/causal_lm.py).

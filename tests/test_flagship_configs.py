@@ -120,7 +120,7 @@ def test_flagship_at_tp8_with_ep(name, tmp_path):
     layout = model.kv_layout()
     kv = layout.bytes_per_token(1, TP)
     line = {"model": name, "params": total, "bytes_per_device": per_device, "kv_bytes_per_token_per_device": kv}
-    if cfg.mla is not None:
+    if getattr(cfg, "mla", None) is not None:                  # DeepseekConfig's latent attention
         m = cfg.mla
         assert (layout.kv_heads, layout.head_dim, layout.value_dim) == (TP, m.kv_lora_rank + m.qk_rope_head_dim, 0)
         assert kv == cfg.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * BF16

@@ -218,8 +218,8 @@ def test_a_vision_checkpoint_without_text_config_is_refused():
     ("layer_types", ("full_attention", "chunked"), r"layer_types=.* must name one of \('full_attention', "
                                                    r"'sliding_attention'\) for each of the 4 layers"),
     ("ff_kinds", ("dense",) * 3, r"ff_kinds=.* must name one of \['dense', 'moe'\] for each of the 4 layers"),
-    ("attn_softcap", 0.0, r"attn_softcap=0.0 must be a positive number or None"),
-    ("norm_placement", "middle", r"norm_placement='middle'; choose one of \['post', 'pre', 'sandwich'\]")])
+    ("attn_softcap", 0.0, r"GemmaConfig: attn_softcap=0.0 must be a positive number or None"),
+    ("final_softcap", -1.0, r"GemmaConfig: final_softcap=-1.0 must be a positive number or None")])
 def test_decoder_config_checks_the_per_layer_fields(field, value, msg):
     import dataclasses
     from tp_jax.models.config import config_from_hf

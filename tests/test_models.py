@@ -117,7 +117,7 @@ def test_qwen_sliding_window_on_some_layers_is_a_per_layer_table(name):
     cfg.layer_types = ["full_attention", "sliding_attention"]
     ours = config_from_hf(cfg)
     assert (ours.sliding_window, ours.layer_types) == (4, ("full_attention", "sliding_attention"))
-    assert ours.layer_windows() == (FULL_WINDOW, 4) and ours.layer_ropes() is None
+    assert ours.layer_windows() == (FULL_WINDOW, 4)
     cfg.layer_types = ["sliding_attention"] * 2                 # every layer slides: one window, no table
     assert (config_from_hf(cfg).sliding_window, config_from_hf(cfg).layer_types) == (4, None)
 
@@ -128,13 +128,15 @@ def test_registry_knows_the_new_architectures():
     assert model_class("MistralForCausalLM").__module__ == "tp_jax.models.mistral"
 
 
-def test_the_config_chooses_the_parts():
-    """One shell and one decoder layer for every model; what differs is built from config fields."""
+def test_the_config_and_the_family_choose_the_parts():
+    """One shell for every model: the config's fields size and switch the shared parts (biases, q/k norms, rope);
+    a family that diverges (GPT-2) builds its own modules, named by its class's `parts` and `body`."""
     import jax
     from transformers import GPT2Config
     from tp_jax.loaders.model import abstract_model
     from tp_jax.models.causal_lm import CausalLM
     from tp_jax.models.decoder import DecoderConfig, DenseMLP
+    from tp_jax.models.gpt2 import GPT2MLP, GPT2Model
     from tp_jax.parallel.layers import LayerNorm
     from tp_jax.parallel.mesh import make_mesh
     mesh = make_mesh(devices=jax.devices()[:1])
@@ -143,12 +145,12 @@ def test_the_config_chooses_the_parts():
              for name, cfg in [*((n, hf_config(n)) for n in VARIANTS), ("gpt2", gpt2)]}
     for name, model in built.items():
         attn, mlp = model.model.layers.layers.self_attn, model.model.layers.layers.mlp
-        assert isinstance(model, CausalLM) and isinstance(mlp, DenseMLP), name
+        assert isinstance(model, CausalLM) and isinstance(mlp, GPT2MLP if name == "gpt2" else DenseMLP), name
         assert (attn.q_norm is not None) == (name == "qwen3"), name
         assert (attn.qkv_proj.bias is not None, attn.o_proj.bias is not None) == {
             "qwen2": (True, False), "qwen2_window": (True, False), "gpt2": (True, True)}.get(name, (False, False)), name
-        assert (model.model.embed_positions is not None) == (name == "gpt2") == (attn.freq is None), name
-        assert isinstance(model.model.norm, LayerNorm) == (name == "gpt2") == hasattr(mlp, "up_proj"), name
+        assert isinstance(model.model, GPT2Model) == (name == "gpt2") == (attn.freq is None), name
+        assert isinstance(model.model.norm, LayerNorm) == (name == "gpt2"), name
     assert built["mistral"].model.layers.layers.self_attn.window == WINDOW
     with pytest.raises(ValueError, match=r"feed_forward='mamba'; choose one of \['dense', 'moe'\]"):
         dataclasses.replace(config_from_hf(hf_config("qwen2")), feed_forward="mamba")

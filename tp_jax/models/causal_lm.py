@@ -1,35 +1,33 @@
 """The one causal-LM shell every model shares, vLLM's composition (vllm/model_executor/models/llama.py).
 
-    h = embed_tokens(ids) (* sqrt(D)) (+ embed_positions(positions))   vocab-parallel, one all-reduce
-    per layer (params stacked on a leading layer axis, run with lax.scan; `DecoderLayer`):
+    h = embed_tokens(ids)                                   vocab-parallel, one all-reduce (`DecoderModel.embed`)
+    per layer (params stacked on a leading layer axis, run with lax.scan; `DecoderParts.layer`):
       h += o_proj(attn(qkv_proj(norm(h))))                  QKV column -> local heads -> row (all-reduce)
       h += mlp(norm(h))                                     the config's feed-forward part (all-reduce)
-    logits = lm_head(norm(h))                               vocab-parallel, all-gathered (tied: embed_tokens),
-                                                            soft-capped if `final_softcap`
+    logits = lm_head(norm(h))                               vocab-parallel, all-gathered (tied: embed_tokens)
 
 Everything below runs inside `shard_map` on local shapes. With a paged KV cache
 (tp_jax/models/cache.py) attention writes this step's keys and values into the pool and reads each
-row's blocks (tp_jax/models/attention.py); without one it is a full causal forward. What differs
-between models is in the config (`DecoderConfig`, tp_jax/models/decoder.py); a model file holds its
-config map, its HF name table and `register(...)`, and its class is `CausalLM` by another name.
+row's blocks (tp_jax/models/attention.py); without one it is a full causal forward. A model's class is
+`CausalLM` under its HF name; a family that diverges sets `parts` (its modules, tp_jax/models/decoder.py) and
+`body` (a `DecoderModel` with other embeddings: Gemma's scale, GPT-2's positions) and overrides `logits`
+(Gemma's soft-cap) or `kv_layout` (DeepSeek's latent pool) in its model file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tp_jax.models.attention import soft_cap
 from tp_jax.models.cache import KVCache, KVLayout, run_layers
-from tp_jax.models.decoder import FEED_FORWARDS, DecoderConfig, DecoderLayer, make_norm
+from tp_jax.models.decoder import DecoderConfig, DecoderParts
 from tp_jax.parallel.heads import plan_heads
-from tp_jax.parallel.layers import ParallelLMHead, ReplicatedEmbedding, VocabParallelEmbedding
+from tp_jax.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from tp_jax.parallel.layers.stack import Stack
 from tp_jax.parallel.pipeline import stage_layer_map
 
@@ -85,31 +83,30 @@ class DecoderModel(nnx.Module):
     """ids[B, T], positions[B, T] -> (norm(h)[B, T, D], cache): embeddings, the stacked layers, the final norm.
 
     Args: `cfg` (DecoderConfig), `tp`, `dtype`, `rngs`, `pp` (pipeline stages: the stack is padded
-    to a multiple of pp with identity slots, `layer_map`).
+    to a multiple of pp with identity slots, `layer_map`), `parts` (the classes the layers are built from).
+    A family with other embeddings subclasses it and overrides `embed` (`CausalLM.body`).
     """
 
-    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs, pp: int = 1):
+    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs, pp: int = 1,
+                 parts: DecoderParts = DecoderParts()):
         d = cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, d, tp_size=tp, dtype=dtype, rngs=rngs)
-        self.embed_positions = (ReplicatedEmbedding(cfg.max_position_embeddings, d, tp_size=tp, dtype=dtype,
-                                                    rngs=rngs) if cfg.learned_positions else None)
         self.layer_map = stage_layer_map(cfg.num_layers, pp)        # stacked slot -> HF layer (-1: identity)
-        self.layers = Stack(lambda r: DecoderLayer(cfg, tp, dtype, r), len(self.layer_map), rngs)
-        self.norm = make_norm(cfg, d, tp, dtype, rngs)
-        self.embed_scale = math.sqrt(d) if cfg.embed_scale else None
+        self.layers = Stack(lambda r: parts.layer(cfg, tp, dtype, r, parts), len(self.layer_map), rngs)
+        self.norm = parts.make_norm(cfg, d, tp, dtype, rngs)
         self.varies = cfg.layer_types is not None       # layers differ: each is told its index (DecoderLayer)
         # feed-forwards of several kinds: one stack per kind, each stage's slots of it padded to the busiest stage
         self.ff_plan = None if cfg.ff_kinds is None else feed_forward_plan(cfg.ff_kinds, self.layer_map, pp)
         self.ff_stacks = None if self.ff_plan is None else nnx.Dict({
-            kind: Stack(lambda r, kind=kind: FEED_FORWARDS[kind](cfg, tp, dtype, r), len(m), rngs, layer_map=m)
+            kind: Stack(lambda r, kind=kind: parts.feed_forward(kind)(cfg, tp, dtype, r), len(m), rngs, layer_map=m)
             for kind, m in self.ff_plan.stack_maps.items()})
 
+    def embed(self, ids, positions) -> jax.Array:
+        """h[B, T, D] entering the first layer: the token embedding (one all-reduce over tp)."""
+        return self.embed_tokens(ids)
+
     def __call__(self, ids, positions, cache: KVCache | None = None, microbatches: int = 1):
-        h = self.embed_tokens(ids)
-        if self.embed_scale is not None:                # rounded to the dtype first, as transformers does
-            h = h * jnp.asarray(self.embed_scale, h.dtype)
-        if self.embed_positions is not None:
-            h = h + self.embed_positions(positions)
+        h = self.embed(ids, positions)
         h, cache = run_layers(self.layers, h, positions, cache, microbatches, self._slot_args())
         return self.norm(h), cache
 
@@ -129,6 +126,10 @@ class CausalLM(nnx.Module):
     Args: `cfg` (DecoderConfig), `tp_size`, `pp_size`, `dtype`, `rngs`. The LM head is tied to
     `embed_tokens` unless `cfg.tie_word_embeddings` is false.
 
+    A family whose math diverges states its own modules as class attributes: `parts` (a `DecoderParts`: the
+    norm, attention, layer and dense feed-forward classes) and `body` (a `DecoderModel` subclass: embeddings),
+    and overrides `logits` or `kv_layout` where they differ.
+
     The contract the engine relies on (keyword-only past the inputs):
       hidden_states(ids, positions, cache=None, *, microbatches=1) -> (h[B, T, D], cache)
       logits(h[..., D]) -> [..., V]                  (all-gathered over tp)
@@ -136,12 +137,15 @@ class CausalLM(nnx.Module):
       config, dtype, layer_map
     """
 
+    parts: DecoderParts = DecoderParts()
+    body: type[DecoderModel] = DecoderModel
+
     def __init__(self, cfg: DecoderConfig, *, tp_size: int = 1, pp_size: int = 1, dtype=jnp.float32,
                  rngs: nnx.Rngs):
         self.config = cfg
         self.tp_size, self.pp_size = tp_size, pp_size
         self.dtype = np.dtype(dtype)
-        self.model = DecoderModel(cfg, tp_size, dtype, rngs, pp_size)
+        self.model = self.body(cfg, tp_size, dtype, rngs, pp_size, self.parts)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -153,8 +157,6 @@ class CausalLM(nnx.Module):
         return self.model.layer_map
 
     def kv_layout(self) -> KVLayout:
-        if self.config.mla is not None:           # one latent per token, cached on every tp rank, no values
-            return KVLayout(len(self.layer_map), self.tp_size, self.config.mla.latent_dim, self.dtype, v_head_dim=0)
         plan = plan_heads(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
         return KVLayout(len(self.layer_map), plan.padded_kv_heads, self.config.head_dim, self.dtype)
 
@@ -162,8 +164,7 @@ class CausalLM(nnx.Module):
         return self.model(ids, positions, cache, microbatches)
 
     def logits(self, h: jax.Array) -> jax.Array:
-        logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
-        return soft_cap(logits, self.config.final_softcap)
+        return self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
 
     def __call__(self, ids, positions, cache: KVCache | None = None, *, microbatches: int = 1):
         h, cache = self.hidden_states(ids, positions, cache, microbatches=microbatches)

@@ -1,32 +1,29 @@
-"""The parts of a decoder layer, each chosen and parameterized by the model's config (`DecoderConfig`).
+"""The decoder layer every model shares (Llama's), its parts, and what a family that diverges overrides.
 
-    DecoderLayer:  h += self_attn(input_layernorm(h))            `norm_placement="pre"`: pre-norm residual,
-                   h += mlp(post_attention_layernorm(h))          two all-reduces (Llama)
-                   h += post_attention_layernorm(self_attn(input_layernorm(h)))         "sandwich" (Gemma 2/3)
-                   h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
-                   h += post_attention_layernorm(self_attn(h))                        "post" (OLMo 2)
-                   h += post_feedforward_layernorm(mlp(h))
+    DecoderLayer:  h += self_attn(input_layernorm(h))            pre-norm residual, two all-reduces
+                   h += mlp(post_attention_layernorm(h))
     Attention:     q, k, v = qkv_proj(x)                          QKV column -> local heads
-                   q, k = q_norm(q), k_norm(k)                    if `qk_norm` (Qwen3, Gemma 3), per head;
-                                                                  `qk_norm_full`: over all heads (OLMo 2),
-                                                                  one tp all-reduce of their statistics
+                   q, k = q_norm(q), k_norm(k)                    if `qk_norm` (Qwen3, Gemma 3), per head
                    q, k = rope(q), rope(k)                        if `rope` is not None (not GPT-2)
-                   o_proj(attend(q, k, v, window, softcap, sinks))  row (all-reduce); sinks: gpt-oss
+                   o_proj(attend(q, k, v, window))                row (all-reduce)
+    DenseMLP:      down_proj(act(gate) * up), gate | up = gate_up_proj(x)
 
-Layers of one stack may differ in value (`layer_types`): a layer's window and rotary frequencies are
-rows of static per-layer tables, indexed by the layer's index (a traced int the stack passes in), so
-the stack stays one scan of one layer body. A uniform model (`layer_types` None) builds no table and
-traces exactly as before.
-    DenseMLP:      down_proj(act(gate) * up), gate | up = gate_up_proj(x)     if `gated_mlp` (Llama)
-                   down_proj(act(up_proj(x)))                                  else (GPT-2)
+`DecoderConfig` holds what these shared parts read: sizes, biases, the per-head q/k norm, the window, the
+rotary embedding, the score scale, the activation (`ACTIVATIONS`) and the feed-forward kind (`FEED_FORWARDS`:
+"dense", and "moe", which tp_jax/models/moe.py adds; each built as `make(cfg, tp, dtype, rngs)` and called as
+`mlp(x)` on local shapes x[B, T, D] -> [B, T, D], its all-reduce inside).
 
-The config says what each part is: the norm kind (`NORMS`), the biases, the q/k norm, the
-window, the rotary embedding, the activation (`ACTIVATIONS`) and the feed-forward part
-(`FEED_FORWARDS`: "dense", and "moe", which tp_jax/models/moe.py adds; each built as
-`make(cfg, tp, dtype, rngs)` and called as `mlp(x)` on local shapes x[B, T, D] -> [B, T, D], its
-all-reduce inside). A model file states its architecture as a
-config map (HF fields -> `DecoderConfig`), not as subclasses; `tp_jax/models/causal_lm.py` wraps the
-layers in the one causal-LM shell. Everything runs inside `shard_map` on local shapes.
+A family whose math diverges owns its modules, in its model file (or one module named for the feature),
+composed from the parallel layers and these classes, and names them in `DecoderParts` (the norm, attention,
+layer and dense feed-forward classes): Gemma's sandwich norms, soft-caps and local rotary (gemma2.py),
+OLMo 2's post-norms and whole-width q/k norms (olmo2.py), gpt-oss's sinks (gpt_oss.py), GPT-2's LayerNorm
+and ungated MLP (gpt2.py), DeepSeek's latent attention (mla.py). The hooks they override: `Attention.norm_qk`,
+`rope_freq`, `attend_args`; `DecoderLayer.norms` and `__call__`.
+
+Layers of one stack may differ in value (`layer_types`): a layer's window (and Gemma 3's rotary frequencies)
+are rows of static per-layer tables, indexed by the layer's index (a traced int the stack passes in), so the
+stack stays one scan of one layer body. A uniform model (`layer_types` None) builds no table. Everything runs
+inside `shard_map` on local shapes; tp_jax/models/causal_lm.py wraps the layers in the one causal-LM shell.
 """
 
 from __future__ import annotations
@@ -42,23 +39,10 @@ from flax import nnx
 from tp_jax.models.attention import FULL_WINDOW, attend
 from tp_jax.models.cache import LayerCache
 from tp_jax.models.config import ModelConfig
-from tp_jax.models.mla import MLAConfig, MLAttention
 from tp_jax.models.rope import RopeConfig, for_context, inv_freq, rotate_together
-from tp_jax.parallel.layers import (ColumnParallelLinear, LayerNorm, MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
-from tp_jax.parallel.layers.norm import GemmaRMSNorm, QKNorm, RMSNorm
-from tp_jax.parallel.layers.qkv import AttentionSinks
+from tp_jax.parallel.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tp_jax.parallel.layers.norm import RMSNorm
 
-# config `norm` -> the replicated norm layer (LayerNorm carries a bias, as GPT-2's does; "gemma_rms" scales
-# by 1 + w in float32).
-NORMS: dict[str, type[nnx.Module]] = {"rms": RMSNorm, "layer": LayerNorm, "gemma_rms": GemmaRMSNorm}
-
-# config `norm_placement` -> the layer's norms, named as HF names them (their order in the layer).
-NORM_PLACEMENTS: dict[str, tuple[str, ...]] = {
-    "pre": ("input_layernorm", "post_attention_layernorm"),
-    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm"),
-    "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # config `hidden_act` (HF's names) -> the function; gelu_new / gelu_pytorch_tanh are the tanh approximation.
@@ -70,58 +54,37 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig(ModelConfig):
-    """ModelConfig plus the fields that choose and size a decoder layer's parts.
+    """ModelConfig plus the fields the shared decoder parts read (a family's own fields are its subclass's).
 
     Args (besides ModelConfig's):
       intermediate_size: the feed-forward width F.
-      norm: a `NORMS` name ("rms": RMSNorm; "layer": LayerNorm with bias); norm_eps its epsilon.
+      norm_eps: the norms' epsilon.
       qkv_bias, o_bias: biases on q/k/v and on the output projection.
-      qk_norm: a per-head RMSNorm on q and k before the rotary embedding (Qwen3).
-      qk_norm_full: instead, one RMSNorm over all of q's heads and one over all of k's (OLMo 2; `QKNorm`).
+      qk_norm: a per-head norm on q and k before the rotary embedding (Qwen3, Gemma 3).
       sliding_window: keys a query sees, itself included (None: full attention).
-      rope: the rotary embedding (`RopeConfig`); None: none (positions are learned embeddings).
-      learned_positions: a position-embedding table added to the token embedding (GPT-2).
+      rope: the rotary embedding (`RopeConfig`); None: none (GPT-2's positions are learned: `GPT2Model`).
       attention_scale: the score scale (None: head_dim ** -0.5).
-      hidden_act: an `ACTIVATIONS` name; gated_mlp: act(gate) * up (True) or act(up) (False);
-      mlp_bias: biases on the feed-forward projections.
+      hidden_act: an `ACTIVATIONS` name; mlp_bias: biases on the feed-forward projections.
       feed_forward: a `FEED_FORWARDS` name, the feed-forward part of every layer.
       layer_types: None (every layer alike: `sliding_window` applies to all), or one `LAYER_TYPES` entry per
-        layer: "sliding_attention" layers see `sliding_window` keys and rotate with `local_rope`,
-        "full_attention" layers see every key and rotate with `rope`.
-      local_rope: the sliding layers' rotary embedding (None: `rope`; Gemma 3's local base).
-      attn_softcap, final_softcap: tanh soft-capping of the attention scores and of the logits (None: none).
-      norm_placement: a `NORM_PLACEMENTS` name, which norms a layer has and where.
-      embed_scale: the token embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype.
-      attention_sinks: a learned logit per query head joins each softmax's denominator (gpt-oss).
-      mla: DeepSeek's multi-head latent attention (`MLAConfig`, tp_jax/models/mla.py) in place of the QKV
-        attention; `head_dim` is then the q/k head width (nope + rope).
+        layer: "sliding_attention" layers see `sliding_window` keys (Gemma 3's rotate with its `local_rope`),
+        "full_attention" layers see every key.
       ff_kinds: None (every layer's feed-forward is `feed_forward`), or a `FEED_FORWARDS` name per layer (a
         Qwen MoE stack with dense layers): each kind's layers are their own stack (tp_jax/models/causal_lm.py).
     """
     intermediate_size: int
-    norm: str = "rms"
     norm_eps: float = 1e-5
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
-    qk_norm_full: bool = False
     sliding_window: int | None = None
     rope: RopeConfig | None = RopeConfig()
-    learned_positions: bool = False
     attention_scale: float | None = None
     hidden_act: str = "silu"
-    gated_mlp: bool = True
     mlp_bias: bool = False
     feed_forward: str = "dense"
     layer_types: tuple[str, ...] | None = None
-    local_rope: RopeConfig | None = None
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
-    norm_placement: str = "pre"
-    embed_scale: bool = False
     ff_kinds: tuple[str, ...] | None = None
-    attention_sinks: bool = False
-    mla: MLAConfig | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -131,8 +94,7 @@ class DecoderConfig(ModelConfig):
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"{name}: sliding_window={self.sliding_window!r} must be a positive integer "
                              f"(the number of most recent keys a query sees, itself included) or None.")
-        for field, table in (("norm", NORMS), ("hidden_act", ACTIVATIONS), ("feed_forward", FEED_FORWARDS),
-                             ("norm_placement", NORM_PLACEMENTS)):
+        for field, table in (("hidden_act", ACTIVATIONS), ("feed_forward", FEED_FORWARDS)):
             if getattr(self, field) not in table:
                 raise ValueError(f"{name}: {field}={getattr(self, field)!r}; choose one of {sorted(table)}")
         if self.layer_types is not None:
@@ -145,10 +107,6 @@ class DecoderConfig(ModelConfig):
                                           not set(self.ff_kinds) <= set(FEED_FORWARDS)):
             raise ValueError(f"{name}: ff_kinds={self.ff_kinds!r} must name one of {sorted(FEED_FORWARDS)} for each "
                              f"of the {self.num_layers} layers")
-        for field in ("attn_softcap", "final_softcap"):
-            cap = getattr(self, field)
-            if cap is not None and not cap > 0:
-                raise ValueError(f"{name}: {field}={cap!r} must be a positive number or None")
 
     def layer_windows(self) -> tuple[int, ...] | None:
         """Each layer's window (`FULL_WINDOW` for a global layer), or None when every layer is alike."""
@@ -156,26 +114,17 @@ class DecoderConfig(ModelConfig):
             return None
         return tuple(self.sliding_window if t == "sliding_attention" else FULL_WINDOW for t in self.layer_types)
 
-    def layer_ropes(self) -> tuple[RopeConfig, ...] | None:
-        """Each layer's rotary embedding, or None when every layer rotates alike."""
-        if self.layer_types is None or self.rope is None or self.local_rope in (None, self.rope):
-            return None
-        return tuple(self.local_rope if t == "sliding_attention" else self.rope for t in self.layer_types)
+    def for_context(self, max_model_len: int) -> DecoderConfig:
+        """This config for sequences of up to `max_model_len` tokens: the rotary embedding that depends on the
+        context (LongRoPE's factor set, tp_jax/models/rope.py `for_context`) chosen for it."""
+        rope = for_context(self.rope, max_model_len)
+        return self if rope == self.rope else dataclasses.replace(self, rope=rope)
 
 
 def for_max_model_len(cfg: ModelConfig, max_model_len: int) -> ModelConfig:
-    """`cfg` for an engine holding sequences of up to `max_model_len` tokens: the rotary embeddings that depend on
-    the context (LongRoPE's factor set, tp_jax/models/rope.py `for_context`) chosen for it; other configs as they
-    are."""
-    if not isinstance(cfg, DecoderConfig):
-        return cfg
-    rope, local = for_context(cfg.rope, max_model_len), for_context(cfg.local_rope, max_model_len)
-    return cfg if (rope, local) == (cfg.rope, cfg.local_rope) else dataclasses.replace(cfg, rope=rope, local_rope=local)
-
-
-def make_norm(cfg: DecoderConfig, dim: int, tp: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
-    """The config's norm over the last axis of size `dim`, replicated on every rank."""
-    return NORMS[cfg.norm](dim, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
+    """`cfg` for an engine holding sequences of up to `max_model_len` tokens (`DecoderConfig.for_context`); other
+    configs as they are."""
+    return cfg.for_context(max_model_len) if isinstance(cfg, DecoderConfig) else cfg
 
 
 class Attention(nnx.Module):
@@ -186,68 +135,62 @@ class Attention(nnx.Module):
     0 * rsqrt(eps) = 0).
     """
 
-    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs, parts: DecoderParts):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.qkv_proj = QKVParallelLinear(d, hd, cfg.num_heads, cfg.num_kv_heads, tp_size=tp, bias=cfg.qkv_bias,
                                           dtype=dtype, rngs=rngs)
         self.o_proj = RowParallelLinear.over_heads(self.qkv_proj.plan, hd, d, bias=cfg.o_bias, dtype=dtype,
                                                    rngs=rngs)
-        self.q_norm = make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
-        self.k_norm = make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
-        self.qk_norm = QKNorm(self.qkv_proj.plan, hd, eps=cfg.norm_eps, dtype=dtype, rngs=rngs) \
-            if cfg.qk_norm_full else None
+        self.q_norm = parts.make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
+        self.k_norm = parts.make_norm(cfg, hd, tp, dtype, rngs) if cfg.qk_norm else None
         self.freq = None if cfg.rope is None else tuple(inv_freq(cfg.rope, hd).tolist())   # static, not state
-        ropes = cfg.layer_ropes()
-        self.layer_freqs = None if ropes is None else tuple(tuple(inv_freq(r, hd).tolist()) for r in ropes)
         self.rope_scale = 1.0 if cfg.rope is None else cfg.rope.attention_factor
         self.scale = hd ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.window, self.layer_windows = cfg.sliding_window, cfg.layer_windows()
-        self.softcap = cfg.attn_softcap
-        self.sinks = AttentionSinks(self.qkv_proj.plan, dtype=dtype, rngs=rngs) if cfg.attention_sinks else None
 
     def __call__(self, x, positions, cache: LayerCache | None, layer: jax.Array | None = None):
         """`layer`: this layer's index in the model (a traced int32), read only when the layers differ."""
         q, k, v = self.qkv_proj(x)                           # [B, T, q_local | kv_local, hd]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.qk_norm is not None:
-            q, k = self.qk_norm(q, k)
+        q, k = self.norm_qk(q, k)
         if self.freq is not None:
-            freq = np.asarray(self.freq, np.float32)
-            if self.layer_freqs is not None:
-                freq = jnp.asarray(np.asarray(self.layer_freqs, np.float32))[layer]
-            scale = self.rope_scale
-            q, k = rotate_together(q, k, positions, freq, scale)
+            q, k = rotate_together(q, k, positions, self.rope_freq(layer), self.rope_scale)
         window = self.window
         if self.layer_windows is not None:
             window = jnp.asarray(np.asarray(self.layer_windows, np.int32))[layer]
-        sinks = None if self.sinks is None else self.sinks()
-        out, cache = attend(q, k, v, positions, cache, scale=self.scale, window=window, softcap=self.softcap,
-                            sinks=sinks)
+        out, cache = attend(q, k, v, positions, cache, scale=self.scale, window=window, **self.attend_args())
         return self.o_proj(out), cache
+
+    def rope_freq(self, layer):
+        """The inverse frequencies layer `layer` rotates with (every layer alike here; Gemma 3's differ)."""
+        return np.asarray(self.freq, np.float32)
+
+    def norm_qk(self, q, k):
+        """q and k after their norms (per head when `qk_norm`); a family with other q/k norms overrides it."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
+
+    def attend_args(self) -> dict:
+        """More keyword arguments of `attend` (a soft-cap, sinks): none here; a family's attention adds its own."""
+        return {}
 
 
 class DenseMLP(nnx.Module):
-    """x[B, T, D] -> [B, T, D]: column W[D, F_tp] (gate | up merged when `gated_mlp`) -> act -> row W[F_tp, D].
+    """x[B, T, D] -> [B, T, D]: down_proj(act(gate) * up), gate | up = gate_up_proj(x): column W[D, 2 F_tp] merged,
+    row W[F_tp, D].
 
-    Args: `cfg` (DecoderConfig: intermediate_size, hidden_act, gated_mlp, mlp_bias), `tp`, `dtype`, `rngs`.
+    Args: `cfg` (DecoderConfig: intermediate_size, hidden_act, mlp_bias), `tp`, `dtype`, `rngs`.
     """
 
     def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs):
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        if cfg.gated_mlp:
-            self.gate_up_proj = MergedColumnParallelLinear(d, (f, f), tp_size=tp, bias=bias, dtype=dtype, rngs=rngs)
-        else:
-            self.up_proj = ColumnParallelLinear(d, f, tp_size=tp, bias=bias, dtype=dtype, rngs=rngs)
+        self.gate_up_proj = MergedColumnParallelLinear(d, (f, f), tp_size=tp, bias=bias, dtype=dtype, rngs=rngs)
         self.down_proj = RowParallelLinear(f, d, tp_size=tp, bias=bias, dtype=dtype, rngs=rngs)
-        self.gated, self.act = cfg.gated_mlp, cfg.hidden_act
+        self.act = cfg.hidden_act
 
     def __call__(self, x):
-        act = ACTIVATIONS[self.act]
-        if self.gated:
-            gate, up = self.gate_up_proj.split(self.gate_up_proj(x))       # [B, T, F_tp] each
-            return self.down_proj(act(gate) * up)
-        return self.down_proj(act(self.up_proj(x)))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))           # [B, T, F_tp] each
+        return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
 # config `feed_forward` -> make(cfg, tp, dtype, rngs), a module called as mlp(x[B, T, D]) -> [B, T, D].
@@ -255,30 +198,51 @@ FEED_FORWARDS: dict[str, Callable[[DecoderConfig, int, object, nnx.Rngs], nnx.Mo
 
 
 class DecoderLayer(nnx.Module):
-    """h[B, T, D] -> h + attention(norm(h)), then + mlp(norm(h)): the one decoder layer of every model.
+    """h[B, T, D] -> h + attention(norm(h)), then + mlp(norm(h)): the pre-norm decoder layer (Llama's).
 
-    Args: `cfg` (DecoderConfig: `norm` picks the norms' kind, `norm_placement` which there are, `feed_forward`
-    the mlp), `tp`, `dtype`, `rngs`. Zero weights (a pipeline identity slot) add exactly zero in every placement.
+    Args: `cfg` (DecoderConfig: `feed_forward` the mlp), `tp`, `dtype`, `rngs`, `parts` (the norm, attention and
+    feed-forward classes). A family whose norms sit elsewhere subclasses it: `norms` names the layer's norms (as
+    HF names them; the name tables read it) and `__call__` places them. Zero weights (a pipeline identity slot)
+    add exactly zero.
     """
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
 
-    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs):
-        self.placement = cfg.norm_placement
-        for name in NORM_PLACEMENTS[cfg.norm_placement]:
-            setattr(self, name, make_norm(cfg, cfg.hidden_size, tp, dtype, rngs))
-        self.self_attn = (Attention if cfg.mla is None else MLAttention)(cfg, tp, dtype, rngs)
-        self.mlp = FEED_FORWARDS[cfg.feed_forward](cfg, tp, dtype, rngs) if cfg.ff_kinds is None else None
+    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs, parts: DecoderParts):
+        for name in self.norms:
+            setattr(self, name, parts.make_norm(cfg, cfg.hidden_size, tp, dtype, rngs))
+        self.self_attn = parts.attention(cfg, tp, dtype, rngs, parts)
+        self.mlp = parts.feed_forward(cfg.feed_forward)(cfg, tp, dtype, rngs) if cfg.ff_kinds is None else None
 
     def __call__(self, h, positions, cache: LayerCache | None, layer: jax.Array | None = None, mlp=None):
         """`layer`: the layer's index (layers that differ); `mlp`: its feed-forward when the model holds the
         feed-forwards in stacks of their own (`ff_kinds`), else `self.mlp`."""
         mlp = self.mlp if mlp is None else mlp
-        if self.placement == "post":
-            a, cache = self.self_attn(h, positions, cache, layer)
-            h = h + self.post_attention_layernorm(a)
-            return h + self.post_feedforward_layernorm(mlp(h)), cache
         a, cache = self.self_attn(self.input_layernorm(h), positions, cache, layer)
-        if self.placement == "pre":
-            h = h + a
-            return h + mlp(self.post_attention_layernorm(h)), cache
-        h = h + self.post_attention_layernorm(a)
-        return h + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(h))), cache
+        h = h + a
+        return h + mlp(self.post_attention_layernorm(h)), cache
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderParts:
+    """The module classes a decoder is built from, Llama's by default. A family whose math diverges names its
+    own in its `CausalLM` subclass (`parts = DecoderParts(attention=...)`), defined in its model file or in one
+    module named for the feature and composed from the parallel layers (docs/adding_a_model.md).
+
+      norm:      every norm of the model (the layers', the final one, per-head q/k norms), built as
+                 norm(dim, eps=, tp_size=, dtype=, rngs=)
+      attention: attention(cfg, tp, dtype, rngs, parts), called as (x, positions, cache, layer) -> (y, cache)
+      layer:     layer(cfg, tp, dtype, rngs, parts), called as (h, positions, cache, layer, mlp) -> (h, cache)
+      dense:     the "dense" feed-forward, make(cfg, tp, dtype, rngs) (other kinds: `FEED_FORWARDS`)
+    """
+    norm: type[nnx.Module] = RMSNorm
+    attention: type[nnx.Module] = Attention
+    layer: type[nnx.Module] = DecoderLayer
+    dense: Callable = DenseMLP
+
+    def make_norm(self, cfg: DecoderConfig, dim: int, tp: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """The model's norm over the last axis of size `dim`, replicated on every rank."""
+        return self.norm(dim, eps=cfg.norm_eps, tp_size=tp, dtype=dtype, rngs=rngs)
+
+    def feed_forward(self, kind: str) -> Callable:
+        """make(cfg, tp, dtype, rngs) of the feed-forward kind `kind` (a `FEED_FORWARDS` name)."""
+        return self.dense if kind == "dense" else FEED_FORWARDS[kind]

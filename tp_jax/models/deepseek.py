@@ -1,6 +1,8 @@
-"""DeepseekV2ForCausalLM and DeepseekV3ForCausalLM: the config maps, the name table and the registrations.
+"""DeepseekV2ForCausalLM and DeepseekV3ForCausalLM: the config (`DeepseekConfig`), its maps, the name table and the
+registrations.
 
-The shared graph with DeepSeek's parts, all chosen by the config:
+The shared graph with DeepSeek's latent attention (`MLAttention`, tp_jax/models/mla.py, and its KV layout) in
+place of the QKV attention, the rest chosen by the config:
 
     per layer (pre-norm RMSNorm):
       h += mla(norm(h))                        multi-head latent attention (tp_jax/models/mla.py): low-rank q
@@ -22,20 +24,34 @@ from __future__ import annotations
 
 import dataclasses
 
+from tp_jax.models.cache import KVLayout
 from tp_jax.models.causal_lm import CausalLM
 from tp_jax.models.config import REQUIRED, UnsupportedConfigError, eos_ids, only_silu, read_fields
-from tp_jax.models.mla import MLAConfig
+from tp_jax.models.decoder import DecoderParts
+from tp_jax.models.mla import MLAConfig, MLAttention
 from tp_jax.models.moe import TRAINING_ONLY_MOE, MoEConfig, moe_weights
 from tp_jax.models.registry import first_architecture, register
 from tp_jax.models.rope import ROPE_FIELDS, rope_from_hf
 from tp_jax.parallel.layers import Entry, WeightTable
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepseekConfig(MoEConfig):
+    """MoEConfig plus the latent attention's sizes, `mla` (`MLAConfig`); `head_dim` is the q/k head width
+    (nope + rope)."""
+    mla: MLAConfig
+
+
 class DeepseekV2ForCausalLM(CausalLM):
     """The shared causal-LM shell with latent attention and DeepSeek's experts (`deepseek_config`)."""
+    parts = DecoderParts(attention=MLAttention)
+
+    def kv_layout(self) -> KVLayout:
+        """One latent per token, cached on every tp rank (one "head" per rank), no value pool."""
+        return KVLayout(len(self.layer_map), self.tp_size, self.config.mla.latent_dim, self.dtype, v_head_dim=0)
 
 
-class DeepseekV3ForCausalLM(CausalLM):
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """As DeepseekV2ForCausalLM, with V3's sigmoid, bias-corrected group routing."""
 
 
@@ -56,8 +72,8 @@ V3_FIELDS = {"rope_interleave": True, "num_nextn_predict_layers": 0}
 V2_TOPK_METHODS = {"greedy": None, "group_limited_greedy": "max"}       # topk_method -> the group score
 
 
-def deepseek_config(hf, raw=None) -> MoEConfig:
-    """MoEConfig with `mla` from an HF DeepSeek-V2 or -V3 config."""
+def deepseek_config(hf, raw=None) -> DeepseekConfig:
+    """DeepseekConfig from an HF DeepSeek-V2 or -V3 config."""
     arch = first_architecture(hf)
     v3 = arch == "DeepseekV3ForCausalLM"
     f = read_fields(hf, {**DEEPSEEK_FIELDS, **(V3_FIELDS if v3 else V2_FIELDS)}, arch, raw)
@@ -77,10 +93,10 @@ def deepseek_config(hf, raw=None) -> MoEConfig:
     routing = _v3_routing(f) if v3 else _v2_routing(f, arch)
     shared = int(f["n_shared_experts"] or 0) * int(f["moe_intermediate_size"])
     bias = bool(f["attention_bias"])
-    return MoEConfig(
+    return DeepseekConfig(
         architecture=arch, vocab_size=f["vocab_size"], hidden_size=f["hidden_size"],
         intermediate_size=f["intermediate_size"], num_layers=n, num_heads=heads, num_kv_heads=heads,
-        head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, norm="rms", norm_eps=float(f["rms_norm_eps"]),
+        head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, norm_eps=float(f["rms_norm_eps"]),
         rope=rope_from_hf(hf), max_position_embeddings=int(f["max_position_embeddings"]),
         tie_word_embeddings=bool(f["tie_word_embeddings"]), qkv_bias=bias, o_bias=bias, mla=mla,
         num_experts=int(f["n_routed_experts"]), num_experts_per_tok=int(f["num_experts_per_tok"]),
@@ -124,14 +140,14 @@ def _feed_forward_kinds(f: dict, arch: str) -> tuple[str, ...] | None:
     return None if set(kinds) == {"moe"} else kinds
 
 
-def deepseek_weights(cfg: MoEConfig) -> WeightTable:
+def deepseek_weights(cfg: DeepseekConfig) -> WeightTable:
     """The MoE table (router and V3's correction bias, per-expert or fused experts, the plural `shared_experts`,
     the dense layers) with MLA's projections and norms in place of q/k/v."""
     base = moe_weights(cfg, shared="shared_experts")
     return dataclasses.replace(_with_mla(cfg, base), variants=tuple(_with_mla(cfg, v) for v in base.variants))
 
 
-def _with_mla(cfg: MoEConfig, table: WeightTable) -> WeightTable:
+def _with_mla(cfg: DeepseekConfig, table: WeightTable) -> WeightTable:
     hf, ours, m = "model.layers.{i}.self_attn", "model.layers.layers.self_attn", cfg.mla
     entries = [e for e in table.entries if not e.param.startswith(ours + ".")]
     linears = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] + (["q_proj"] if m.q_lora_rank is None

@@ -13,23 +13,21 @@ import copy
 import dataclasses
 import functools
 
-from tp_jax.models.causal_lm import CausalLM
 from tp_jax.models.config import UnsupportedConfigError, eos_ids, quantization_refusal
-from tp_jax.models.gemma2 import gemma_config
-from tp_jax.models.llama import llama_weights
+from tp_jax.models.gemma2 import Gemma2ForCausalLM, gemma_config, gemma_weights
 from tp_jax.models.registry import register
 from tp_jax.parallel.layers import WeightTable
 
 
-class Gemma3ForCausalLM(CausalLM):
-    """The shared causal-LM shell; Gemma 2's params plus self_attn.q_norm / k_norm [head_dim] per layer."""
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 2's modules; its params plus self_attn.q_norm / k_norm [head_dim] per layer."""
 
 
 register("Gemma3ForCausalLM", Gemma3ForCausalLM,
-         config=functools.partial(gemma_config, qk_norm=True, local_rope=True), weights=llama_weights)
+         config=functools.partial(gemma_config, qk_norm=True, local_rope=True), weights=gemma_weights)
 
 
-class Gemma3ForConditionalGeneration(CausalLM):
+class Gemma3ForConditionalGeneration(Gemma2ForCausalLM):
     """The text model of a Gemma 3 vision-language checkpoint (4B, 12B, 27B): Gemma3ForCausalLM's graph, built
     from the config's `text_config`; the vision tower and projector tensors are left unread (text in, text out)."""
 
@@ -53,7 +51,7 @@ def gemma3_text_config(hf, raw=None):
 def gemma3_vlm_weights(cfg):
     """Gemma3ForCausalLM's table under the language model's prefix: "language_model.model." as the released
     files store it, or "model.language_model." as transformers 5 saves it (a variant)."""
-    base = llama_weights(cfg)
+    base = gemma_weights(cfg)
 
     def moved(prefix: str, lm_head: str) -> WeightTable:
         rename = lambda n: (lm_head if n == "lm_head.weight" else prefix + n[len("model."):]) \

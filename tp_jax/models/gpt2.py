@@ -1,13 +1,12 @@
-"""GPT2LMHeadModel: the config map (HF fields -> `DecoderConfig`), the HF name table and the registration.
+"""GPT2LMHeadModel: its modules, the config map (HF fields -> `DecoderConfig`), the HF name table, the registration.
 
-GPT-2 is the shared graph (tp_jax/models/causal_lm.py, tp_jax/models/decoder.py) with other parts, all chosen
-by its config:
+GPT-2 is the shared graph (tp_jax/models/causal_lm.py, tp_jax/models/decoder.py) with its own modules, defined
+here, and Llama's attention chosen by the config:
 
-    h = wte(ids) + wpe(positions)                  learned_positions: a replicated position table
-    per block:
-      h += c_proj(attn(c_attn(ln_1(h))))           norm="layer" (LayerNorm with bias), rope=None,
-                                                   q/k/v and o biases, scale 1 / sqrt(hd) or 1
-      h += c_proj(gelu(c_fc(ln_2(h))))             gated_mlp=False, hidden_act="gelu_new", biases
+    h = wte(ids) + wpe(positions)                  `GPT2Model`: a replicated position table
+    per block (every norm a LayerNorm with bias):
+      h += c_proj(attn(c_attn(ln_1(h))))           rope=None, q/k/v and o biases, scale 1 / sqrt(hd) or 1
+      h += c_proj(gelu(c_fc(ln_2(h))))             `GPT2MLP`: ungated, hidden_act="gelu_new", biases
     logits = ln_f(h) wte^T                         tied head
 
 The checkpoint's storage is stated in the name table, not in the layers: GPT-2's Conv1D
@@ -18,18 +17,50 @@ tensor (three entries of `qkv_proj` with row offsets 0, D, 2D).
 
 from __future__ import annotations
 
-from tp_jax.models.causal_lm import CausalLM
+import jax
+from flax import nnx
+
+from tp_jax.models.causal_lm import CausalLM, DecoderModel
 from tp_jax.models.config import REQUIRED, UnsupportedConfigError, eos_ids, head_dim_of, read_fields
-from tp_jax.models.decoder import DecoderConfig
+from tp_jax.models.decoder import ACTIVATIONS, DecoderConfig, DecoderParts
 from tp_jax.models.registry import first_architecture, register
-from tp_jax.parallel.layers import Entry, WeightTable
+from tp_jax.parallel.layers import (ColumnParallelLinear, Entry, LayerNorm, ReplicatedEmbedding, RowParallelLinear,
+                                    WeightTable)
 
 # HF `activation_function` values GPT-2 runs (names of tp_jax/models/decoder.py's ACTIVATIONS).
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 
 
+class GPT2MLP(nnx.Module):
+    """x[B, T, D] -> down_proj(act(up_proj(x))): c_fc column W[D, F_tp] -> act -> c_proj row W[F_tp, D], biases."""
+
+    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.up_proj = ColumnParallelLinear(d, f, tp_size=tp, bias=True, dtype=dtype, rngs=rngs)
+        self.down_proj = RowParallelLinear(f, d, tp_size=tp, bias=True, dtype=dtype, rngs=rngs)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x):
+        return self.down_proj(ACTIVATIONS[self.act](self.up_proj(x)))
+
+
+class GPT2Model(DecoderModel):
+    """The decoder with learned positions: a replicated table wpe[max_position_embeddings, D] added to the
+    token embedding."""
+
+    def __init__(self, cfg: DecoderConfig, tp: int, dtype, rngs: nnx.Rngs, pp: int, parts: DecoderParts):
+        super().__init__(cfg, tp, dtype, rngs, pp, parts)
+        self.embed_positions = ReplicatedEmbedding(cfg.max_position_embeddings, cfg.hidden_size, tp_size=tp,
+                                                   dtype=dtype, rngs=rngs)
+
+    def embed(self, ids, positions) -> jax.Array:
+        return super().embed(ids, positions) + self.embed_positions(positions)
+
+
 class GPT2LMHeadModel(CausalLM):
-    """The shared causal-LM shell; everything GPT-2-specific is in `gpt2_config` and `gpt2_weights`."""
+    """The shared causal-LM shell with GPT-2's LayerNorms, MLP and position table."""
+    parts = DecoderParts(norm=LayerNorm, dense=GPT2MLP)
+    body = GPT2Model
 
 
 # --- config: the HF fields GPT-2 reads -----------------------------------------------------------
@@ -57,9 +88,9 @@ def gpt2_config(hf, raw=None) -> DecoderConfig:
         num_kv_heads=heads, head_dim=hd, max_position_embeddings=int(f["n_positions"]),
         tie_word_embeddings=bool(f["tie_word_embeddings"]), bos_token_id=f["bos_token_id"],
         eos_token_ids=eos_ids(f["eos_token_id"]), intermediate_size=f["n_inner"] or 4 * d,
-        norm="layer", norm_eps=float(f["layer_norm_epsilon"]), rope=None, learned_positions=True,
-        qkv_bias=True, o_bias=True, attention_scale=None if f["scale_attn_weights"] else 1.0,
-        hidden_act=f["activation_function"], gated_mlp=False, mlp_bias=True)
+        norm_eps=float(f["layer_norm_epsilon"]), rope=None, qkv_bias=True, o_bias=True,
+        attention_scale=None if f["scale_attn_weights"] else 1.0, hidden_act=f["activation_function"],
+        mlp_bias=True)
 
 
 # --- weights: HF tensor names -> params ---------------------------------------------------------

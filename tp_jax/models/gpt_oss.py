@@ -1,11 +1,12 @@
-"""GptOssForCausalLM (gpt-oss-20b / 120b): the config map (HF fields -> `MoEConfig`), the name table, the registration.
+"""GptOssForCausalLM (gpt-oss-20b / 120b): its attention, the config map (HF fields -> `MoEConfig`), the name table,
+the registration.
 
-The shared graph with gpt-oss's parts, all chosen by the config:
+The shared graph with gpt-oss's parts: its attention (`SinkAttention`) defined here, the rest chosen by the config:
 
     per layer (pre-norm RMSNorm):
       h += o_proj(attn(qkv_proj(norm(h))))     q/k/v and o biases; YaRN rotary; sliding (window 128) and full
                                                layers alternate (`layer_types`); a learned sink logit per head
-                                               joins each softmax's denominator (`attention_sinks`)
+                                               joins each softmax's denominator (`SinkAttention`)
       h += moe(norm(h))                        router with bias: top-k of the logits, softmax over the k;
                                                experts with biases, gate | up interleaved in one fused tensor,
                                                act = (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g),
@@ -21,16 +22,31 @@ from __future__ import annotations
 
 from tp_jax.models.causal_lm import CausalLM
 from tp_jax.models.config import REQUIRED, UnsupportedConfigError, eos_ids, read_fields
-from tp_jax.models.decoder import LAYER_TYPES
+from tp_jax.models.decoder import LAYER_TYPES, Attention, DecoderParts
 from tp_jax.models.llama import llama_weights
 from tp_jax.models.moe import TRAINING_ONLY_MOE, MoEConfig
 from tp_jax.models.registry import first_architecture, register
 from tp_jax.models.rope import ROPE_FIELDS, rope_from_hf
 from tp_jax.parallel.layers import Entry, WeightTable
+from tp_jax.parallel.layers.qkv import AttentionSinks
+
+
+class SinkAttention(Attention):
+    """Llama's attention with a learned logit per query head in each softmax's denominator (`AttentionSinks`, laid
+    out by the head plan like the q rows; every attention backend takes `sinks`)."""
+
+    def __init__(self, cfg, tp: int, dtype, rngs, parts: DecoderParts):
+        super().__init__(cfg, tp, dtype, rngs, parts)
+        self.sinks = AttentionSinks(self.qkv_proj.plan, dtype=dtype, rngs=rngs)
+
+    def attend_args(self) -> dict:
+        return {"sinks": self.sinks()}
 
 
 class GptOssForCausalLM(CausalLM):
-    """The shared causal-LM shell; everything gpt-oss-specific is in `gpt_oss_config` and `gpt_oss_weights`."""
+    """The shared causal-LM shell with `SinkAttention`; the rest of gpt-oss is in `gpt_oss_config` and
+    `gpt_oss_weights`."""
+    parts = DecoderParts(attention=SinkAttention)
 
 
 # HF config field -> default when the config lacks it (REQUIRED: config.json must state it).
@@ -64,9 +80,9 @@ def gpt_oss_config(hf, raw=None) -> MoEConfig:
         architecture=arch, vocab_size=f["vocab_size"], hidden_size=f["hidden_size"],
         intermediate_size=f["intermediate_size"], num_layers=n, num_heads=heads,
         num_kv_heads=f["num_key_value_heads"], head_dim=f["head_dim"] or f["hidden_size"] // heads,
-        norm="rms", norm_eps=float(f["rms_norm_eps"]), rope=rope_from_hf(hf),
+        norm_eps=float(f["rms_norm_eps"]), rope=rope_from_hf(hf),
         max_position_embeddings=int(f["max_position_embeddings"]), tie_word_embeddings=bool(f["tie_word_embeddings"]),
-        qkv_bias=bias, o_bias=bias, attention_sinks=True,
+        qkv_bias=bias, o_bias=bias,
         sliding_window=int(f["sliding_window"]) if sliding else None,
         layer_types=types if len(set(types)) > 1 else None,
         num_experts=int(f["num_local_experts"]), num_experts_per_tok=int(f["num_experts_per_tok"]),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tp_jax.models.causal_lm import CausalLM
 from tp_jax.models.config import REQUIRED, UnsupportedConfigError, eos_ids, only_silu, read_fields
-from tp_jax.models.decoder import NORM_PLACEMENTS, DecoderConfig
+from tp_jax.models.decoder import DecoderConfig, DecoderLayer
 from tp_jax.models.registry import first_architecture, register
 from tp_jax.models.rope import ROPE_FIELDS, rope_from_hf
 from tp_jax.parallel.layers import Entry, WeightTable
@@ -58,11 +58,11 @@ def llama_config(hf, raw=None, *, window: str = "none", qk_norm: bool = False, q
         architecture=arch, vocab_size=f["vocab_size"], hidden_size=f["hidden_size"],
         intermediate_size=f["intermediate_size"], num_layers=f["num_hidden_layers"], num_heads=heads,
         num_kv_heads=f["num_key_value_heads"] or heads, head_dim=f["head_dim"] or f["hidden_size"] // heads,
-        norm="rms", norm_eps=float(f["rms_norm_eps"]), rope=rope_from_hf(hf),
+        norm_eps=float(f["rms_norm_eps"]), rope=rope_from_hf(hf),
         max_position_embeddings=int(f["max_position_embeddings"]),
         tie_word_embeddings=bool(f["tie_word_embeddings"]),
         qkv_bias=bias if qkv_bias is None else qkv_bias, o_bias=bias if o_bias is None else o_bias,
-        mlp_bias=bool(f["mlp_bias"]), hidden_act="silu", gated_mlp=True, qk_norm=qk_norm,
+        mlp_bias=bool(f["mlp_bias"]), hidden_act="silu", qk_norm=qk_norm,
         sliding_window=windows[0], layer_types=windows[1],
         bos_token_id=f["bos_token_id"], eos_token_ids=eos_ids(f["eos_token_id"]), **more)
 
@@ -89,12 +89,13 @@ def _sliding_window(f: dict, arch: str, mode: str) -> tuple[int | None, tuple[st
 
 # --- weights: HF tensor names -> params ---------------------------------------------------------
 
-def llama_weights(cfg: DecoderConfig) -> WeightTable:
-    """HF Llama names -> param parts; bias, layer norm and q/k norm entries follow the config (Gemma's too)."""
+def llama_weights(cfg: DecoderConfig, *, norms: tuple[str, ...] = DecoderLayer.norms) -> WeightTable:
+    """HF Llama names -> param parts; bias and q/k norm entries follow the config, `norms` are the layer's
+    (a family's layer may have others: Gemma, OLMo 2)."""
     hf, ours = "model.layers.{i}", "model.layers.layers"
     entries = [Entry("model.embed_tokens.weight", "model.embed_tokens.embedding", "weight"),
                Entry("model.norm.weight", "model.norm.weight", "weight")]
-    entries += [Entry(f"{hf}.{n}.weight", f"{ours}.{n}.weight", "weight") for n in NORM_PLACEMENTS[cfg.norm_placement]]
+    entries += [Entry(f"{hf}.{n}.weight", f"{ours}.{n}.weight", "weight") for n in norms]
     if not cfg.tie_word_embeddings:
         entries.append(Entry("lm_head.weight", "lm_head.embedding", "weight"))
     linears = [(f"{hf}.self_attn.{p}_proj", f"{ours}.self_attn.qkv_proj", p, cfg.qkv_bias) for p in "qkv"]
@@ -109,9 +110,6 @@ def llama_weights(cfg: DecoderConfig) -> WeightTable:
     if cfg.qk_norm:
         entries += [Entry(f"{hf}.self_attn.{n}.weight", f"{ours}.self_attn.{n}.weight", "weight")
                     for n in ("q_norm", "k_norm")]
-    if cfg.qk_norm_full:
-        entries += [Entry(f"{hf}.self_attn.{n}_norm.weight", f"{ours}.self_attn.qk_norm.{n}_weight", f"{n}_norm")
-                    for n in "qk"]
     ignored = [f"{hf}.self_attn.rotary_emb.inv_freq"] + (["lm_head.weight"] if cfg.tie_word_embeddings else [])
     return WeightTable(entries, ignored)
 

@@ -78,10 +78,10 @@ class MLAttention(nnx.Module):
     """x[B, T, D] -> [B, T, D]: DeepSeek's latent attention (module docstring), heads split over tp.
 
     Args: `cfg` (a DecoderConfig with `mla`, `rope`, `num_heads`, `qkv_bias` for the a-projections and
-    o_proj), `tp`, `dtype`, `rngs`. tp must divide the heads.
+    o_proj), `tp`, `dtype`, `rngs`, `parts` (unused: the latent norms are RMSNorms). tp must divide the heads.
     """
 
-    def __init__(self, cfg, tp: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, tp: int, dtype, rngs: nnx.Rngs, parts=None):
         m, d, h = cfg.mla, cfg.hidden_size, cfg.num_heads
         if h % tp:
             raise ValueError(f"{cfg.architecture}: num_attention_heads={h} is not divisible by tp={tp}; latent "

@@ -13,22 +13,27 @@ from __future__ import annotations
 import functools
 
 from tp_jax.models.causal_lm import CausalLM
+from tp_jax.models.decoder import DecoderParts
 from tp_jax.models.llama import llama_config
 from tp_jax.models.moe import moe_extend, moe_fields, moe_weights
+from tp_jax.models.olmo2 import Olmo2Attention, with_qk_norm
 from tp_jax.models.registry import register
+from tp_jax.parallel.layers import WeightTable
 
 
 class OlmoeForCausalLM(CausalLM):
-    """The shared causal-LM shell with `feed_forward="moe"` and whole-width q/k norms."""
-
-
-def _olmoe_extend(f: dict, arch: str):
-    cls, more = moe_extend("num_experts")(f, arch)
-    return cls, {**more, "qk_norm_full": True}
+    """The shared causal-LM shell with `feed_forward="moe"` and OLMo 2's whole-width q/k norms."""
+    parts = DecoderParts(attention=Olmo2Attention)
 
 
 # the published OLMoE-1B-7B config.json leaves rms_norm_eps to the class default
 olmoe_config = functools.partial(llama_config, extra_fields={**moe_fields("num_experts"), "norm_topk_prob": False,
-                                                             "rms_norm_eps": 1e-5}, extend=_olmoe_extend)
+                                                             "rms_norm_eps": 1e-5}, extend=moe_extend("num_experts"))
 
-register("OlmoeForCausalLM", OlmoeForCausalLM, config=olmoe_config, weights=moe_weights)
+
+
+def olmoe_weights(cfg) -> WeightTable:
+    return with_qk_norm(moe_weights(cfg))
+
+
+register("OlmoeForCausalLM", OlmoeForCausalLM, config=olmoe_config, weights=olmoe_weights)

@@ -52,9 +52,9 @@ def phi3_config(hf, raw=None) -> DecoderConfig:
     return DecoderConfig(
         architecture=arch, vocab_size=f["vocab_size"], hidden_size=d, intermediate_size=f["intermediate_size"],
         num_layers=f["num_hidden_layers"], num_heads=heads, num_kv_heads=f["num_key_value_heads"] or heads,
-        head_dim=hd, norm="rms", norm_eps=float(f["rms_norm_eps"]), rope=rope,
+        head_dim=hd, norm_eps=float(f["rms_norm_eps"]), rope=rope,
         max_position_embeddings=int(f["max_position_embeddings"]), tie_word_embeddings=bool(f["tie_word_embeddings"]),
-        hidden_act="silu", gated_mlp=True, sliding_window=None if window is None else int(window),
+        hidden_act="silu", sliding_window=None if window is None else int(window),
         bos_token_id=f["bos_token_id"], eos_token_ids=eos_ids(f["eos_token_id"]))
 
 

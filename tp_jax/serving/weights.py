@@ -113,10 +113,14 @@ def _take_rows(x, rows: np.ndarray, dim: int):
     return jnp.where(jnp.asarray(pad), jnp.zeros((), x.dtype), out) if pad.any() else out
 
 
-def _global_on_device(b: Binding, source, layer: int | None, tp: int):
-    """The param's global value for one checkpoint layer: every tp rank's block, concatenated (contract 1)."""
+def _global_on_device(b: Binding, source, layer: int | None, mesh) -> jax.Array:
+    """The param's global value for one checkpoint layer: every tp rank's block, concatenated (contract 1).
+    Each tensor is first copied whole to the engine's devices (device to device; from a trainer's mesh too), so
+    the slicing below runs there, one tensor at a time."""
     decl = b.decl
-    parts = {p: _view(jnp.asarray(source.get(e.name(layer))), e, decl.parts[p].hf_shape[0])
+    tp = mesh.shape[TP] if decl.split is not None else 1
+    whole = NamedSharding(mesh, jax.P())
+    parts = {p: _view(jax.device_put(source.get(e.name(layer)), whole), e, decl.parts[p].hf_shape[0])
              for p, e in b.entries.items()}
     if decl.split is None:
         blocks = [parts[p] for p in decl.parts]
@@ -129,13 +133,12 @@ def _global_on_device(b: Binding, source, layer: int | None, tp: int):
 
 
 def _place_on_device(b: Binding, abstract, sharding: NamedSharding, source, layer_map) -> jax.Array:
-    tp = sharding.mesh.shape[TP] if b.decl.split is not None else 1
-    dtype = jnp.dtype(abstract.dtype)
+    mesh, dtype = sharding.mesh, jnp.dtype(abstract.dtype)
     if not b.stacked:
-        value = _global_on_device(b, source, None, tp).astype(dtype)
+        value = _global_on_device(b, source, None, mesh).astype(dtype)
     else:
         slot = tuple(abstract.shape[1:])
-        value = jnp.stack([_global_on_device(b, source, layer, tp).astype(dtype) if layer >= 0
+        value = jnp.stack([_global_on_device(b, source, layer, mesh).astype(dtype) if layer >= 0
                            else jnp.zeros(slot, dtype) for layer in layer_map])
     if tuple(value.shape) != tuple(abstract.shape):
         raise WeightUpdateError(f"update_weights: param {b.path!r} came out {tuple(value.shape)}, expected "

@@ -1,0 +1,167 @@
+"""Weights that change under a running engine (tp_jax/serving/weights.py): `update_weights` equals a fresh load of
+the same weights (tokens and logprobs equal) at tp 1, tp 2, dp 2 x tp 2 and pp 2 x tp 2, with the default method
+and float32, from arrays on another mesh, under a trainer's names; a tree that does not fit is refused and the old
+weights still served; sleep levels 1 and 2 free the pool and the weights and wake up to the same outputs; the
+rollout's logprobs against the trainer's forward (`get_logits`) on the same weights."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.tiny_models import hf_config, make_checkpoint, randomize
+from tp_jax.loaders.bind import CheckpointMismatchError, MissingWeightError
+from tp_jax.parallel.layers import WeightShapeError
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
+from tp_jax.serving.weights import WeightUpdateError
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0)
+SAMPLED = SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=0)
+
+
+def other_weights(name: str, root: str, seed: int = 123) -> str:
+    """Variant `name` with other random weights (the same architecture and config), written once."""
+    import torch
+    from transformers import LlamaForCausalLM
+    path = os.path.join(root, f"{name}_other")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        torch.manual_seed(seed)
+        model = randomize(LlamaForCausalLM(hf_config(name)).eval())
+        model = model.to(torch.bfloat16) if name == "bf16sharded" else model
+        model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def arrays_of(path: str) -> dict[str, jax.Array]:
+    """A checkpoint's tensors as jax arrays by name (what a trainer holds), in their stored dtype."""
+    from safetensors import safe_open
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), "flax") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def outputs(llm, params=GREEDY):
+    return [(o.outputs[0].token_ids, [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("update_weights"))
+
+
+@pytest.fixture(scope="module")
+def gqa(root):
+    return make_checkpoint("gqa", root), other_weights("gqa", root)
+
+
+@pytest.fixture(scope="module")
+def tp2(gqa):
+    return LLM(gqa[0], tensor_parallel_size=2, progress=False)
+
+
+def check_update(old: str, new: str, weights, **kw) -> LLM:
+    llm = LLM(old, progress=False, **kw)
+    before = outputs(llm)
+    moved = llm.update_weights(weights)
+    fresh = LLM(new, progress=False, **kw)
+    assert outputs(llm) == outputs(fresh) != before
+    assert np.array_equal(llm.get_logits(PROMPTS[1]), fresh.get_logits(PROMPTS[1]))
+    assert moved["host_bytes"] == 0 and moved["device_bytes"] > 0
+    return llm
+
+
+@pytest.mark.parametrize("mesh", [dict(tensor_parallel_size=2),
+                                  dict(data_parallel_size=2, tensor_parallel_size=2),
+                                  dict(pipeline_parallel_size=2, tensor_parallel_size=2)], ids=["tp2", "dp2tp2", "pp2tp2"])
+def test_update_equals_a_fresh_load(gqa, mesh):
+    check_update(*gqa, arrays_of(gqa[1]), **mesh)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_update_at_tp1_default_method_and_float32(root, dtype):
+    """bf16-stored weights at tp 1: "auto" holds them with the bf16 method in the switched layer loop."""
+    old, new = make_checkpoint("bf16sharded", root), other_weights("bf16sharded", root)
+    llm = check_update(old, new, arrays_of(new), dtype=dtype)
+    assert llm.quantization == ("bf16" if dtype == "auto" else "none")
+
+
+def test_update_from_another_mesh_under_a_trainers_names(gqa, tp2):
+    """The trainer's arrays live on devices 4..7 sharded its own way, nested under its own names."""
+    trainer = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[4:8])
+    nested = {}
+    for name, x in arrays_of(gqa[1]).items():
+        spec = jax.P("fsdp") if x.shape[0] % 4 == 0 else jax.P()
+        nested.setdefault("policy", {})[name.replace(".", "/")] = jax.device_put(
+            x, jax.NamedSharding(trainer, spec))
+    tp2.update_weights(nested, mapping=lambda n: n.removeprefix("policy.").replace("/", "."))
+    assert outputs(tp2) == outputs(LLM(gqa[1], tensor_parallel_size=2, progress=False))
+    tp2.update_weights(arrays_of(gqa[0]))                      # back to the fixture's weights
+
+
+def test_a_tree_that_does_not_fit_is_refused_and_the_old_weights_stay(gqa, tp2):
+    served = outputs(tp2)
+    good = arrays_of(gqa[1])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    cases = [({k: v for k, v in good.items() if k != q}, MissingWeightError, q),
+             ({**good, "model.layers.2.mlp.up_proj.weight": good["model.layers.0.mlp.up_proj.weight"]},
+              CheckpointMismatchError, "model.layers.2.mlp.up_proj.weight"),
+             ({**good, q: good[q][:, :32]}, WeightShapeError, q),
+             ({**good, q: good[q].astype(jnp.int32)}, WeightUpdateError, q),
+             ({**good, q: good[q] * jnp.nan}, WeightUpdateError, "self_attn")]
+    for weights, error, named in cases:
+        with pytest.raises(error, match=named.replace(".", r"\.")) as e:
+            tp2.update_weights(weights)
+        assert "old weights" in str(e.value) or error is WeightUpdateError
+        assert outputs(tp2) == served
+
+
+def test_sleep_frees_the_pool_then_the_weights_and_wakes_to_the_same_outputs(gqa, tp2):
+    served = outputs(tp2)
+    live = lambda: sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())     # noqa: E731
+    pool = tp2.engine.core.runner.k.nbytes + tp2.engine.core.runner.v.nbytes
+    awake = live()
+    tp2.sleep(level=1)
+    assert tp2.is_sleeping and awake - live() >= pool
+    with pytest.raises(RuntimeError, match="sleeping"):
+        tp2.generate(PROMPTS, GREEDY)
+    tp2.wake_up()
+    assert not tp2.is_sleeping and outputs(tp2) == served
+    tp2.sleep(level=2)
+    asleep = live()
+    weights = sum(x.nbytes for x in jax.tree.leaves(arrays_of(gqa[0])))
+    assert awake - asleep >= pool + weights * 0.9
+    tp2.update_weights(arrays_of(gqa[1]))                      # level 2's weights come back from the trainer
+    tp2.wake_up()
+    assert outputs(tp2) == outputs(LLM(gqa[1], tensor_parallel_size=2, progress=False))
+    tp2.sleep(level=2)
+    tp2.wake_up()                                              # none given while asleep: the checkpoint's again
+    assert outputs(tp2) == served
+    print(f"\nsleep: live bytes awake {awake}, asleep at level 2 {asleep} (pool {pool}, weights {weights})")
+
+
+def rollout_vs_trainer(llm) -> tuple[bool, float, float]:
+    """(bitwise equal, max |Δ logprob|, max |exp(Δ) - 1|) of the sampled tokens' logprobs, rollout vs get_logits."""
+    from tp_jax.parallel.invariant import row_log_softmax
+    diffs = []
+    for prompt, (tokens, logprobs) in zip(PROMPTS, outputs(llm, SAMPLED)):
+        scores = np.asarray(jax.jit(row_log_softmax)(llm.get_logits(prompt + tokens[:-1])[0]))
+        trainer = scores[len(prompt) - 1 + np.arange(len(tokens)), tokens]
+        diffs.append(np.abs(trainer - np.asarray(logprobs, np.float32)))
+    d = np.concatenate(diffs)
+    return bool((d == 0).all()), float(d.max()), float(np.abs(np.expm1(d)).max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rollout_logprobs_against_the_trainers_forward(gqa, dtype):
+    """Measured, not bitwise (docs/rollouts.md): float32 within a few ulps, bf16 within 1e-2."""
+    bitwise, worst, ratio = rollout_vs_trainer(LLM(gqa[0], dtype=dtype, progress=False))
+    print(f"\n{dtype}: bitwise {bitwise}, max |dlogprob| {worst:.3g}, max |exp(d) - 1| {ratio:.3g}")
+    assert worst < (2e-6 if dtype == "float32" else 1e-2)

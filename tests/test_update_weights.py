@@ -165,3 +165,48 @@ def test_rollout_logprobs_against_the_trainers_forward(gqa, dtype):
     bitwise, worst, ratio = rollout_vs_trainer(LLM(gqa[0], dtype=dtype, progress=False))
     print(f"\n{dtype}: bitwise {bitwise}, max |dlogprob| {worst:.3g}, max |exp(d) - 1| {ratio:.3g}")
     assert worst < (2e-6 if dtype == "float32" else 1e-2)
+
+
+def test_the_servers_dev_endpoints(gqa, tp2, monkeypatch):
+    """Off by default (404); with TP_JAX_SERVER_DEV_MODE=1 (what `tp-jax serve` reads): /sleep, /is_sleeping,
+    /wake_up, /update_weights_from_disk, and a request made while asleep is a 400."""
+    import asyncio
+
+    import httpx
+
+    from tp_jax.server.app import create_app
+    from tp_jax.server.dev import add_dev_routes, dev_mode
+    from tp_jax.serving.async_engine import AsyncLLMEngine
+    monkeypatch.setenv("TP_JAX_SERVER_DEV_MODE", "1")
+    assert dev_mode()
+    aengine = AsyncLLMEngine(tp2.engine)
+    plain = create_app(aengine, None, model_names=["tiny"], max_model_len=tp2.max_model_len)
+    dev = create_app(aengine, None, model_names=["tiny"], max_model_len=tp2.max_model_len)
+    add_dev_routes(dev, aengine, tp2)
+    ask = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "logprobs": 0}
+    answer = lambda r: r.json()["choices"][0]["logprobs"]["token_logprobs"]      # noqa: E731 (no tokenizer: no text)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain), base_url="http://app") as c:
+            off = await c.post("/sleep")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=dev), base_url="http://app") as c:
+            before = answer(await c.post("/v1/completions", json=ask))
+            slept = await c.post("/sleep", params={"level": 1})
+            sleeping = (await c.get("/is_sleeping")).json()
+            refused = await c.post("/v1/completions", json=ask)
+            woke = await c.post("/wake_up")
+            again = answer(await c.post("/v1/completions", json=ask))
+            updated = (await c.post("/update_weights_from_disk", json={"model_path": gqa[1]})).json()
+            other = answer(await c.post("/v1/completions", json=ask))
+            await c.post("/update_weights_from_disk", json={"model_path": gqa[0]})
+            return off, before, slept, sleeping, refused, woke, again, updated, other
+
+    try:
+        off, before, slept, sleeping, refused, woke, again, updated, other = asyncio.run(scenario())
+    finally:
+        aengine.shutdown()
+    assert off.status_code == 404
+    assert slept.status_code == 200 and sleeping == {"is_sleeping": True}
+    assert refused.status_code == 400 and "sleeping" in refused.json()["error"]["message"]
+    assert woke.status_code == 200 and again == before
+    assert updated["success"] and other != before

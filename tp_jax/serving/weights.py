@@ -290,6 +290,7 @@ def sleep(llm, level: int) -> None:
                 x.delete()
         runner.k = runner.v = None
         llm._engine.core.reset_prefix_cache()
+        llm._engine.core.sleeping = level
     if level == 2:
         for x in jax.tree.leaves(nnx.state(llm.model)):
             if isinstance(x, jax.Array) and not x.is_deleted():
@@ -307,6 +308,8 @@ def wake_up(llm) -> None:
     if llm._engine is not None and llm._engine.core.runner.k is None:
         runner = llm._engine.core.runner
         runner.k, runner.v = new_pool(runner.pool, runner.mesh)
+    if llm._engine is not None:
+        llm._engine.core.sleeping = 0
     llm._asleep = 0
 
 

@@ -106,6 +106,20 @@ def test_update_from_another_mesh_under_a_trainers_names(gqa, tp2):
     tp2.update_weights(arrays_of(gqa[0]))                      # back to the fixture's weights
 
 
+def test_int8_quantizes_per_device_as_a_fresh_load_does(gqa):
+    """int8's values and scales are derived per device at load: the update takes the loader's host path."""
+    llm = LLM(gqa[0], tensor_parallel_size=2, quantization="int8", progress=False)
+    moved = llm.update_weights(arrays_of(gqa[1]))
+    assert outputs(llm) == outputs(LLM(gqa[1], tensor_parallel_size=2, quantization="int8", progress=False))
+    assert moved["host_bytes"] > 0 and llm.quantization == "int8"
+
+
+def test_gguf_blocks_are_refused_with_the_way_out():
+    llm = LLM(None, max_model_len=64, progress=False)          # the embedded SmolLM2 GGUF, its blocks kept
+    with pytest.raises(WeightUpdateError, match="update_weights_from_disk"):
+        llm.update_weights({})
+
+
 def test_a_tree_that_does_not_fit_is_refused_and_the_old_weights_stay(gqa, tp2):
     served = outputs(tp2)
     good = arrays_of(gqa[1])

@@ -106,6 +106,8 @@ def _view(x, entry, hf_rows: int | None):
 def _take_rows(x, rows: np.ndarray, dim: int):
     """`x` indexed by `rows` along `dim`, zeros where rows == -1 (`take_rows` on device)."""
     valid = rows[rows >= 0]
+    if rows.size == x.shape[dim] and np.array_equal(rows, np.arange(rows.size)):
+        return x                                                    # the whole dimension: nothing to cut
     if valid.size and rows.size == valid.size and np.array_equal(rows, np.arange(rows[0], rows[0] + rows.size)):
         return jax.lax.slice_in_dim(x, int(rows[0]), int(rows[0]) + rows.size, axis=dim)
     out = jnp.take(x, jnp.asarray(np.where(rows >= 0, rows, 0)), axis=dim)
@@ -179,7 +181,9 @@ def placed_weights(llm, weights, mapping=None, *, check_finite: bool = True) -> 
     from tp_jax.loaders.sources import open_checkpoint
     source = ArraySource(named_arrays(weights, mapping))
     cfg, mesh = llm.config, llm.mesh
-    stored = open_checkpoint(llm.model_path).source                 # headers only: the methods the load chose
+    if getattr(llm, "_stored_source", None) is None:                # headers only: the methods the load chose
+        llm._stored_source = open_checkpoint(llm.model_path).source
+    stored = llm._stored_source
     model, _ = plan_model(cfg, stored, mesh, llm.dtype, quantization=llm.setup.quantization,
                           strict=llm.setup.named("quantization"))
     _check_methods(model)

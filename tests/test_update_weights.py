@@ -139,6 +139,7 @@ def test_a_tree_that_does_not_fit_is_refused_and_the_old_weights_stay(gqa, tp2):
 
 def test_sleep_frees_the_pool_then_the_weights_and_wakes_to_the_same_outputs(gqa, tp2):
     served = outputs(tp2)
+    programs = tp2.engine.core.runner._forward._cache_size()
     live = lambda: sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())     # noqa: E731
     pool = tp2.engine.core.runner.k.nbytes + tp2.engine.core.runner.v.nbytes
     awake = live()
@@ -158,6 +159,7 @@ def test_sleep_frees_the_pool_then_the_weights_and_wakes_to_the_same_outputs(gqa
     tp2.sleep(level=2)
     tp2.wake_up()                                              # none given while asleep: the checkpoint's again
     assert outputs(tp2) == served
+    assert tp2.engine.core.runner._forward._cache_size() == programs          # nothing compiled again
     print(f"\nsleep: live bytes awake {awake}, asleep at level 2 {asleep} (pool {pool}, weights {weights})")
 
 

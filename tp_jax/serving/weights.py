@@ -115,15 +115,10 @@ def _take_rows(x, rows: np.ndarray, dim: int):
     return jnp.where(jnp.asarray(pad), jnp.zeros((), x.dtype), out) if pad.any() else out
 
 
-def _global_on_device(b: Binding, source, layer: int | None, mesh) -> jax.Array:
-    """The param's global value for one checkpoint layer: every tp rank's block, concatenated (contract 1).
-    Each tensor is first copied whole to the engine's devices (device to device; from a trainer's mesh too), so
-    the slicing below runs there, one tensor at a time."""
+def _global_on_device(b: Binding, tensors: Mapping[str, jax.Array], layer: int | None, tp: int) -> jax.Array:
+    """The param's global value for one checkpoint layer: every tp rank's block, concatenated (contract 1)."""
     decl = b.decl
-    tp = mesh.shape[TP] if decl.split is not None else 1
-    whole = NamedSharding(mesh, jax.P())
-    parts = {p: _view(jax.device_put(source.get(e.name(layer)), whole), e, decl.parts[p].hf_shape[0])
-             for p, e in b.entries.items()}
+    parts = {p: _view(tensors[e.name(layer)], e, decl.parts[p].hf_shape[0]) for p, e in b.entries.items()}
     if decl.split is None:
         blocks = [parts[p] for p in decl.parts]
         out = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=0)
@@ -134,18 +129,41 @@ def _global_on_device(b: Binding, source, layer: int | None, mesh) -> jax.Array:
     return out.T if decl.transpose else out
 
 
-def _place_on_device(b: Binding, abstract, sharding: NamedSharding, source, layer_map) -> jax.Array:
-    mesh, dtype = sharding.mesh, jnp.dtype(abstract.dtype)
-    if not b.stacked:
-        value = _global_on_device(b, source, None, mesh).astype(dtype)
-    else:
-        slot = tuple(abstract.shape[1:])
-        value = jnp.stack([_global_on_device(b, source, layer, mesh).astype(dtype) if layer >= 0
-                           else jnp.zeros(slot, dtype) for layer in layer_map])
-    if tuple(value.shape) != tuple(abstract.shape):
-        raise WeightUpdateError(f"update_weights: param {b.path!r} came out {tuple(value.shape)}, expected "
-                                f"{tuple(abstract.shape)}")
-    return jax.device_put(value, sharding)
+def _layers(b: Binding, layer_map) -> list[int | None]:
+    return list(layer_map) if b.stacked else [None]
+
+
+def _program(b: Binding, abstract, sharding: NamedSharding, layer_map, names: list[str], inputs: list):
+    """One jitted program building the param from its tensors (`names`, in order; `inputs` their shapes and
+    dtypes) into `sharding`."""
+    tp = sharding.mesh.shape[TP] if b.decl.split is not None else 1
+    dtype, shape = jnp.dtype(abstract.dtype), tuple(abstract.shape)
+
+    def build(*arrays):
+        tensors = dict(zip(names, arrays))
+        one = lambda layer: _global_on_device(b, tensors, layer, tp).astype(dtype)     # noqa: E731
+        if not b.stacked:
+            return one(None)
+        return jnp.stack([one(layer) if layer >= 0 else jnp.zeros(shape[1:], dtype) for layer in layer_map])
+
+    out = jax.eval_shape(build, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in inputs))
+    if tuple(out.shape) != shape:
+        raise WeightUpdateError(f"update_weights: param {b.path!r} came out {tuple(out.shape)}, expected {shape}")
+    return jax.jit(build, out_shardings=sharding)
+
+
+def _place_on_device(b: Binding, abstract, sharding: NamedSharding, source, layer_map, programs: dict) -> jax.Array:
+    """The param on the engine's devices: its tensors copied whole to them (device to device, from any mesh),
+    then cut, cast and stacked by one jitted program (kept in `programs` for the next update)."""
+    names = [e.name(layer) for layer in _layers(b, layer_map) if layer is None or layer >= 0
+             for e in b.entries.values()]
+    names = list(dict.fromkeys(names))                              # a fused tensor feeding several parts: once
+    whole = NamedSharding(sharding.mesh, jax.P())
+    arrays = [jax.device_put(source.get(n), whole) for n in names]
+    key = (b.path, sharding, tuple(layer_map), tuple((a.shape, a.dtype) for a in arrays))
+    if key not in programs:
+        programs[key] = _program(b, abstract, sharding, layer_map, names, arrays)
+    return programs[key](*arrays)
 
 
 # --- the update -----------------------------------------------------------------------------------------------
@@ -200,11 +218,12 @@ def placed_weights(llm, weights, mapping=None, *, check_finite: bool = True) -> 
     specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
     abstract = dict(nnx.to_flat_state(state))
     loaded, moved, finite = {}, {"device_bytes": 0, "host_bytes": 0, "params": len(bindings)}, []
+    programs = llm.__dict__.setdefault("_update_programs", {})     # jitted per param, reused by the next update
     for b in bindings:
         value, spec = abstract[b.key].get_value(), specs[b.key].get_value()
         sharding = NamedSharding(mesh, spec)
         if _device_path(b):
-            loaded[b.key] = _place_on_device(b, value, sharding, source, b.layer_map or layer_map)
+            loaded[b.key] = _place_on_device(b, value, sharding, source, b.layer_map or layer_map, programs)
             moved["device_bytes"] += loaded[b.key].nbytes
             if check_finite and jnp.issubdtype(loaded[b.key].dtype, jnp.floating):
                 finite.append((b, jnp.isfinite(loaded[b.key]).all()))

@@ -4,7 +4,8 @@
 
 The weights are the checkpoint's own tensors as device arrays (what a trainer holds: the embedded SmolLM2 GGUF's
 dequantized to float32, by default). `update_s` is `llm.update_weights(arrays)` (checks, on-device placement,
-the swap), `fresh_s` is `LLM(model)` loading the same weights from disk, each the best of `--repeat`; `device_bytes`
+the swap), `fresh_s` is `LLM(model)` loading the same weights from disk, each the best of `--repeat`
+(`first_update_s`: the first update, which also compiles each param's placement program); `device_bytes`
 and `host_bytes` are what the update moved device to device and through the host (int8's per-device quantization).
 `equal` says whether the updated engine's greedy tokens and logprobs equal the fresh engine's. GGUF blocks cannot
 be refilled from arrays, so the engine holds float (`--quantization none`, default) or bf16 / int8 weights.
@@ -49,6 +50,7 @@ def main() -> None:
     want = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in LLM(path, **kw).generate(prompts, sp)]
     print(json.dumps({"model": path.rstrip("/").rsplit("/", 1)[-1], "quantization": args.quantization, "tp": args.tp,
                       "method_held": llm.quantization, "update_s": round(min(update_s), 3),
+                      "first_update_s": round(update_s[0], 3),
                       "fresh_s": round(min(fresh_s), 3), "update_over_fresh": round(min(update_s) / min(fresh_s), 3),
                       "device_bytes": moved["device_bytes"], "host_bytes": moved["host_bytes"],
                       "params": moved["params"], "equal": got == want, "device": jax.devices()[0].device_kind}))

@@ -126,6 +126,21 @@ def test_gguf_blocks_are_refused_with_the_way_out():
         llm.update_weights({})
 
 
+def test_names_from_an_nnx_state_a_nested_dict_or_a_mapping():
+    from flax import nnx
+
+    from tp_jax.serving.weights import named_arrays
+    x = np.zeros(2)
+    state = nnx.State({"model": {"layers": {0: {"mlp": {"up_proj": {"weight": x}}}}, "norm": {"weight": x}}})
+    assert sorted(named_arrays(state)) == ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    trainer = {"blocks_0_up": x, "final_norm": x, "optimizer_step": x}
+    mapping = {"blocks_0_up": "model.layers.0.mlp.up_proj.weight", "final_norm": "model.norm.weight",
+               "optimizer_step": None}
+    assert sorted(named_arrays(trainer, mapping)) == ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    with pytest.raises(WeightUpdateError, match="two arrays are named 'model.norm.weight'"):
+        named_arrays(trainer, lambda n: "model.norm.weight")
+
+
 def test_a_tree_that_does_not_fit_is_refused_and_the_old_weights_stay(gqa, tp2):
     served = outputs(tp2)
     good = arrays_of(gqa[1])

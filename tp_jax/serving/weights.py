@@ -12,8 +12,8 @@ checks (`bind`, `check_source`: a missing, extra or misshapen tensor is named be
 
 Each param's global array is built on device from the layer's one statement (`ShardedParam`: the rows each
 tp rank takes, GQA KV replicas and vocab padding included; `Entry` layouts and offsets), in the jnp twin of
-`ShardedParam.block`, then `jax.device_put` to the engine's sharding: arrays already on devices never visit
-the host. Float methods (float, "bf16", "stored16") take the cast; "int8" methods (weights quantized per
+`ShardedParam.block`: its tensors `jax.device_put` whole to the engine's devices, then one jitted program per
+param (kept for the next update) into the engine's sharding: arrays already on devices never visit the host. Float methods (float, "bf16", "stored16") take the cast; "int8" methods (weights quantized per
 device at load) go through the loader's host path (`place_param`), as a fresh load would. Methods that hold
 a file's quantized blocks (GGUF, GPTQ / AWQ / FP8 / compressed-tensors, MXFP4) cannot be refilled from float
 arrays: `update_weights_from_disk` reloads them from a checkpoint of the same architecture.

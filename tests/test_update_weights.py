@@ -80,7 +80,8 @@ def check_update(old: str, new: str, weights, **kw) -> LLM:
 
 @pytest.mark.parametrize("mesh", [dict(tensor_parallel_size=2),
                                   dict(data_parallel_size=2, tensor_parallel_size=2),
-                                  dict(pipeline_parallel_size=2, tensor_parallel_size=2)], ids=["tp2", "dp2tp2", "pp2tp2"])
+                                  dict(pipeline_parallel_size=2, tensor_parallel_size=2)],
+                         ids=["tp2", "dp2tp2", "pp2tp2"])
 def test_update_equals_a_fresh_load(gqa, mesh):
     check_update(*gqa, arrays_of(gqa[1]), **mesh)
 

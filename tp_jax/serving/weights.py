@@ -1,7 +1,9 @@
 """Weights that change under a running engine (vLLM's weight updates and sleep mode).
 
-    new = placed_weights(llm, weights, mapping=None)   # {flat param path: jax.Array}, every check done first
+    update(llm, weights, mapping=None)                  # LLM.update_weights: the two below
+    new, moved = placed_weights(llm, weights, mapping)  # a new model holding them, every check done first
     swap(llm, new)                                      # between steps: model, runner and prefix cache at once
+    update_from_disk(llm, path)                         # LLM.update_weights_from_disk
     sleep(llm, level) / wake_up(llm)                    # free the KV pool (1), the weights too (2); re-allocate
 
 `weights`: an `nnx.State`, a nested dict or any pytree of arrays whose leaves' paths, joined by ".", are the
@@ -13,8 +15,9 @@ checks (`bind`, `check_source`: a missing, extra or misshapen tensor is named be
 Each param's global array is built on device from the layer's one statement (`ShardedParam`: the rows each
 tp rank takes, GQA KV replicas and vocab padding included; `Entry` layouts and offsets), in the jnp twin of
 `ShardedParam.block`: its tensors `jax.device_put` whole to the engine's devices, then one jitted program per
-param (kept for the next update) into the engine's sharding: arrays already on devices never visit the host. Float methods (float, "bf16", "stored16") take the cast; "int8" methods (weights quantized per
-device at load) go through the loader's host path (`place_param`), as a fresh load would. Methods that hold
+param (kept for the next update) into the engine's sharding: arrays already on devices never visit the host.
+Float methods (float, "bf16", "stored16") take the cast; "int8" methods (weights quantized per device at load)
+go through the loader's host path (`place_param`), as a fresh load would. Methods that hold
 a file's quantized blocks (GGUF, GPTQ / AWQ / FP8 / compressed-tensors, MXFP4) cannot be refilled from float
 arrays: `update_weights_from_disk` reloads them from a checkpoint of the same architecture.
 """
@@ -185,7 +188,8 @@ def _check_methods(model) -> None:
     held = sorted({type(n.method).__name__ for _, n in nnx.iter_graph(model)
                    if isinstance(n, (MethodLayer, Experts)) and isinstance(n.method, FILE_BLOCKS)})
     if held:
-        raise WeightUpdateError(f"update_weights: this engine holds a checkpoint's quantized blocks ({', '.join(held)}), "
+        raise WeightUpdateError(f"update_weights: this engine holds a checkpoint's quantized blocks "
+                                f"({', '.join(held)}), "
                                 f"which float arrays cannot refill; reload them with update_weights_from_disk(path) "
                                 f"(a checkpoint of the same architecture), or start the engine with "
                                 f"quantization=None, 'bf16' or 'int8' to take arrays")
@@ -227,7 +231,7 @@ def placed_weights(llm, weights, mapping=None, *, check_finite: bool = True) -> 
             moved["device_bytes"] += loaded[b.key].nbytes
             if check_finite and jnp.issubdtype(loaded[b.key].dtype, jnp.floating):
                 finite.append((b, jnp.isfinite(loaded[b.key]).all()))
-        else:                                                       # the loader's host path (int8: quantized per device)
+        else:                                           # the loader's host path (int8: quantized per device)
             loaded[b.key] = place_param(b, value, spec, mesh, _HostSource(source), llm.dtype,
                                         b.layer_map or layer_map, check_finite)
             moved["host_bytes"] += loaded[b.key].nbytes

@@ -70,7 +70,7 @@ class ArraySource:
 def named_arrays(weights, mapping: Mapping[str, str | None] | Callable | None = None) -> dict[str, object]:
     """{checkpoint name: array} of an nnx State, a (nested) dict or any pytree; `mapping` renames."""
     if isinstance(weights, nnx.State):
-        weights = weights.to_pure_dict()
+        weights = nnx.to_pure_dict(weights)
     leaves = jax.tree_util.tree_flatten_with_path(weights)[0]
     out = {}
     for path, x in leaves:

@@ -19,11 +19,12 @@ def run(code: str) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-FRONT_DOOR, OWN_MODEL = (next(b for b in BLOCKS if key in b) for key in ("LLM(None", "shard_module"))
+FRONT_DOOR, OWN_MODEL, ROLLOUTS = (next(b for b in BLOCKS if key in b)
+                                   for key in ("LLM(None, tensor", "shard_module", "update_weights"))
 
 
-def test_readme_has_the_five_samples():
-    assert len(BLOCKS) == 5 and sum("from openai import OpenAI" in b for b in BLOCKS) == 2
+def test_readme_has_the_six_samples():
+    assert len(BLOCKS) == 6 and sum("from openai import OpenAI" in b for b in BLOCKS) == 2
 
 
 def test_own_model_sample():
@@ -38,3 +39,11 @@ def test_front_door_sample(smollm2_path):
     assert out.returncode == 0, out.stderr[-3000:]
     text, reason = out.stdout.splitlines()[0].rsplit(" ", 1)         # print(text, finish_reason)
     assert reason in ("stop", "length") and text.strip(), out.stdout
+
+
+@pytest.mark.slow
+def test_rollouts_sample(smollm2_path):
+    out = run(ROLLOUTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    moved, last = out.stdout.strip().splitlines()[-2:]
+    assert int(moved) > 0 and last.startswith("False [")

@@ -16,7 +16,7 @@ from tp_jax.loaders.place import fill, load_state
 from tp_jax.loaders.quantize import plan_methods, weight_facts
 from tp_jax.models.config import ModelConfig
 from tp_jax.models.registry import architecture, check_instance
-from tp_jax.parallel.layers import LinearMethod, apply_methods
+from tp_jax.parallel.layers import LinearMethod, WeightTable, apply_methods
 from tp_jax.parallel.mesh import DP, PP, TP, make_mesh
 
 
@@ -59,14 +59,20 @@ def load_from_source(cfg: ModelConfig, source, mesh: Mesh, dtype=jnp.float32, pr
     by the engine's resolve step before this); its problems are raised before any tensor data is read
     (`strict` False: such layers load as float, with a warning).
     """
-    model = abstract_model(cfg, mesh, dtype)
-    table = architecture(cfg.architecture).weights(cfg).for_names(source.keys())
-    methods = plan_methods(model, table, source, cfg.num_layers, quantization, strict)
-    if methods:
-        model = abstract_model(cfg, mesh, dtype, methods)
+    model, table = plan_model(cfg, source, mesh, dtype, quantization=quantization, strict=strict)
     fill(model, load_state(model, mesh, source, table, cfg.num_layers, jnp.dtype(dtype), progress,
                            check_weights=check_weights))
     return model
+
+
+def plan_model(cfg: ModelConfig, source, mesh: Mesh, dtype=jnp.float32, *, quantization: str | None = None,
+               strict: bool = True) -> tuple[nnx.Module, WeightTable]:
+    """(the abstract model for `cfg` on `mesh` with the linear methods `quantization` gives it for `source`, the
+    name table for `source`'s names): everything `load_state` needs, from headers only."""
+    model = abstract_model(cfg, mesh, dtype)
+    table = architecture(cfg.architecture).weights(cfg).for_names(source.keys())
+    methods = plan_methods(model, table, source, cfg.num_layers, quantization, strict)
+    return (abstract_model(cfg, mesh, dtype, methods) if methods else model), table
 
 
 def checkpoint_weight_facts(cfg: ModelConfig, source, mesh: Mesh) -> tuple[frozenset, bool]:
@@ -104,4 +110,4 @@ def tensor_split_dims(cfg: ModelConfig) -> dict[str, int | None]:
     return out
 
 
-__all__ = ["abstract_model", "load_from_source", "checkpoint_weight_facts", "tensor_split_dims", "param_bytes_per_device"]
+__all__ = ["abstract_model", "plan_model", "load_from_source", "checkpoint_weight_facts", "tensor_split_dims", "param_bytes_per_device"]

@@ -171,6 +171,11 @@ def serve(llm, sock: socket.socket, names: list[str], args, loras: dict | None =
                      model_root=llm.model_path, shutdown_timeout_s=ENGINE_STOP_S,
                      tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, lora_modules=loras,
                      runtime_lora=args.allow_runtime_lora_updating)
+    from tp_jax.server.dev import DEV_MODE_ENV, add_dev_routes, dev_mode
+    if dev_mode():                                        # /sleep, /wake_up, /update_weights_from_disk (dev.py)
+        add_dev_routes(app, aengine, llm)
+        log.warning("%s=1: the development endpoints are on (/sleep, /wake_up, /is_sleeping, "
+                    "/update_weights_from_disk); do not expose this server", DEV_MODE_ENV)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_access_log,
                             timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + BACKSTOP_S, lifespan="on")
     host, port = sock.getsockname()[:2]

@@ -106,6 +106,7 @@ class EngineCore:
         self.drafter = None if draft_model is None else DraftModel(
             draft_model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend, self.split_k)
         self.requests: dict[str, Request] = {}
+        self.sleeping = 0                              # sleep level (serving/weights.py): no request is taken
         self.rng = np.random.default_rng(config.seed)
         self.spec = SpecCounters()                     # speculative decoding's totals (speculative_config)
         self.stats = {"steps": 0, "scheduled_tokens": 0, "generated_tokens": 0, "preemptions": 0, "max_running": 0,
@@ -133,6 +134,8 @@ class EngineCore:
         """ValueError, naming `where`, for a request (token ids, one sample's SamplingParams) that this
         engine can never serve: its limits (vocabulary, max_model_len, max_logprobs)."""
         cfg = self.config
+        if self.sleeping:
+            raise ValueError(f"{where}: the engine is sleeping (level {self.sleeping}); wake it up first")
         if params.n != 1:
             raise ValueError(f"{where}: n={params.n}; the engine core runs one sequence per request (the front "
                              f"door fans n > 1 out into child requests)")

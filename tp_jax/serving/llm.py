@@ -112,6 +112,7 @@ class LLM:
         self._forward = None
         self._engine = None
         self._tokenizer = None
+        self._asleep = 0                                                 # sleep level (tp_jax/serving/weights.py)
 
     # --- the resolved configuration, read (never restated: `self.setup` is the one configuration) ----------
     @property
@@ -184,6 +185,7 @@ class LLM:
 
     def get_logits(self, token_ids) -> np.ndarray:
         """Full forward, no cache: token_ids [B, T] (or one list) -> logits [B, T, V] float32."""
+        self._check_awake("get_logits")
         ids = np.asarray(share_from_driver(lambda: np.asarray(token_ids).tolist()))     # process 0's ids
         if ids.ndim == 1:
             ids = ids[None]
@@ -201,6 +203,38 @@ class LLM:
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
         put = lambda x: to_global(x, jax.NamedSharding(self.mesh, jax.P(DP)))
         return np.asarray(to_host(self._logits_fn()(put(ids), put(pos))), dtype=np.float32)[:b]
+
+    # --- weights that change (tp_jax/serving/weights.py; docs/rollouts.md) -------------------------------
+    def update_weights(self, weights, mapping=None) -> dict:
+        """Serve `weights` from the next step: a pytree of arrays named as the checkpoint names its tensors (an
+        nnx State, a nested or flat dict; `mapping` renames a trainer's names), resharded on device to this
+        engine's layout and methods, swapped whole between steps; the prefix cache is dropped. A tree that does
+        not fit is refused, naming the tensor, and the old weights stay. Returns the bytes moved and seconds."""
+        from tp_jax.serving import weights as w
+        return w.update(self, weights, mapping)
+
+    def update_weights_from_disk(self, path: str) -> dict:
+        """Serve the weights of the checkpoint at `path` (the same architecture and config) from the next step."""
+        from tp_jax.serving import weights as w
+        return w.update_from_disk(self, path)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: level 1 frees the KV pool, level 2 the weights too; compiled programs stay."""
+        from tp_jax.serving import weights as w
+        w.sleep(self, level)
+
+    def wake_up(self) -> None:
+        """Re-allocate what `sleep` freed (after level 2 with no update since: the weights reloaded from disk)."""
+        from tp_jax.serving import weights as w
+        w.wake_up(self)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep > 0
+
+    def _check_awake(self, what: str) -> None:
+        if self._asleep:
+            raise RuntimeError(f"{what}: the engine is sleeping (level {self._asleep}); call wake_up() first")
 
     # --- generation -----------------------------------------------------------------------
     @property
@@ -238,6 +272,7 @@ class LLM:
     def start(self, prompts, sampling_params=None, lora_request=None):
         """A Generation: iterate `.events()` (StreamEvents as tokens are sampled), then `.outputs()`."""
         from tp_jax.serving.generation import Generation
+        self._check_awake("generate")
         return Generation(self, prompts, sampling_params, lora_request)
 
     def generate(self, prompts, sampling_params=None, lora_request=None) -> list:

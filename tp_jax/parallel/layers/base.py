@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from tp_jax.parallel.layers.loading import LazyTensor, ShardedParam
-from tp_jax.parallel.layers.method import LINEAR, UNQUANTIZED, DerivedParam, LinearMethod, Unquantized, WeightParam
+from tp_jax.parallel.layers.method import LINEAR, UNQUANTIZED, DerivedParam, LinearMethod, WeightParam
 
 Spec = tuple[str | None, ...]
 
@@ -190,7 +190,7 @@ class MethodLayer(ParallelModule):
         self.method.check(self, weight)
         for suffix, p in self._weight_params(weight).items():
             setattr(self, self.weight_name + suffix, declared_param(
-                rngs, p.decl, p.shape, p.dtype, init if isinstance(self.method, Unquantized) else None))
+                rngs, p.decl, p.shape, p.dtype, self.method.initializer(init)))
 
     def use_method(self, method: LinearMethod) -> None:
         """Re-create the weight's params for `method` on a built layer (the loader does this on an abstract

@@ -29,6 +29,7 @@ all-reduce runs in float32; layers cast to their dtype after it.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -116,10 +117,24 @@ class LinearMethod:
       stacked over the slots) and runs once after them. `finish(layer, multiply(layer, p), p)` with
       `p = prepare(x)` is `apply(layer, x)` bit for bit; the defaults (x itself, `apply`, the raw output)
       fit any method;
-    * `embed(layer, ids)`: rows W[ids] -> [..., in] (EMBEDDING kind only).
+    * `embed(layer, ids)`: rows W[ids] -> [..., in] (EMBEDDING kind only);
+    * `apply_f32(layer, x)`: `apply` with float32 output (an MoE router's logits);
+    * `initializer(init)`: how its params start on a built layer (`init`, the layer's, or None: zeros).
+
+    `float_weight`: the weight is the layer's float param as declared, in the model's dtype (`Unquantized`):
+    the loader casts it to the run's dtype, plans no method for it and reports no quantization. A method that
+    lists EXPERTS in `kinds` implements `ExpertMethod` too (checked when the class is defined).
     """
     name: ClassVar[str] = "?"
     kinds: ClassVar[tuple[str, ...]] = (LINEAR, EMBEDDING)
+    float_weight: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        kinds = cls.__dict__.get("kinds")
+        if isinstance(kinds, tuple) and EXPERTS in kinds and not issubclass(cls, ExpertMethod):
+            raise TypeError(f"{cls.__name__} lists {EXPERTS!r} in kinds but is no ExpertMethod: implement "
+                            f"expert_params, expert_kernel and expert_scaled (tp_jax/parallel/layers/method.py)")
 
     @property
     def suffixes(self) -> tuple[str, ...]:
@@ -160,6 +175,14 @@ class LinearMethod:
     def embed(self, layer, ids: jax.Array) -> jax.Array:
         raise NotImplementedError
 
+    def apply_f32(self, layer, x: jax.Array) -> jax.Array:
+        """`apply(layer, x)` as float32 (an MoE router's logits)."""
+        return self.apply(layer, x).astype(jnp.float32)
+
+    def initializer(self, init):
+        """The initializer of the params it creates on a built layer: None (zeros: they are only ever loaded)."""
+        return None
+
     @property
     def label(self) -> str:
         """How reports name the method ("int8", "gguf Q4_1")."""
@@ -169,10 +192,41 @@ class LinearMethod:
         return f"quantization method {self.label!r}"
 
 
+class ExpertMethod(abc.ABC):
+    """What stacked MoE experts (`Experts`, kind EXPERTS; layers/moe.py) call of their method (vLLM's
+    `FusedMoEMethodBase`). Each of the experts' float kernels `name` ("gate_up", "down"; `[S, in, out]`,
+    S expert slots) is held as the params `expert_params` derives from its statement; the experts' GEMMs are
+    weight-only: `expert_kernel` gives the kernel in the model's dtype and `expert_scaled` applies what the
+    method factored out of it (per-output-row scales) to a product."""
+
+    @abc.abstractmethod
+    def expert_params(self, weight, name: str, shape: tuple[int, ...], dtype) -> dict[str, WeightParam]:
+        """{suffix: WeightParam} for the float statement `weight` (an `ExpertParam`) of a global kernel `shape`
+        and `dtype` (the model's)."""
+
+    @abc.abstractmethod
+    def expert_kernel(self, layer, name: str, slot: jax.Array | None, dtype) -> jax.Array:
+        """[E?, in, out] in `dtype`: the local experts `slot` (None: all) of kernel `name`, before `expert_scaled`."""
+
+    @abc.abstractmethod
+    def expert_scaled(self, layer, y: jax.Array, name: str, slot: jax.Array | None) -> jax.Array:
+        """y [..., out], a product with `expert_kernel(layer, name, slot)` (slot given: one row per slot; else
+        [E_local, M, out]), times what the method factored out of kernel `name` (y itself when nothing)."""
+
+
+def stacked_kernel(layer, name: str, slot: jax.Array | None, dtype) -> jax.Array:
+    """The experts' param `name` as held (its experts `slot`, or all), cast to `dtype`."""
+    w = getattr(layer, name)[...]
+    return (w if slot is None else w[slot]).astype(dtype)
+
+
 @dataclasses.dataclass(frozen=True)
-class Unquantized(LinearMethod):
-    """The float weight as the layer declares it: one param, `local_matmul` / `jnp.take` (today's code)."""
+class Unquantized(LinearMethod, ExpertMethod):
+    """The float weight as the layer declares it: one param, `local_matmul` / `jnp.take` (today's code);
+    stacked experts' float kernels as they are."""
     name: ClassVar[str] = "none"
+    kinds: ClassVar[tuple[str, ...]] = (LINEAR, EMBEDDING, EXPERTS)
+    float_weight: ClassVar[bool] = True
 
     @property
     def suffixes(self) -> tuple[str, ...]:
@@ -190,6 +244,22 @@ class Unquantized(LinearMethod):
 
     def embed(self, layer, ids):
         return jnp.take(layer.weight(), ids, axis=0)
+
+    def apply_f32(self, layer, x):
+        """x @ W accumulated in float32 by the dot itself (an MoE router's logits; batch-invariant: invariant.py)."""
+        return row_tiled(lambda rows: jnp.dot(rows, layer.weight(), preferred_element_type=jnp.float32), x)
+
+    def initializer(self, init):
+        return init
+
+    def expert_params(self, weight, name, shape, dtype):
+        return {"": WeightParam(weight, tuple(shape), dtype)}
+
+    def expert_kernel(self, layer, name, slot, dtype):
+        return stacked_kernel(layer, name, slot, dtype)
+
+    def expert_scaled(self, layer, y, name, slot):
+        return y
 
 
 UNQUANTIZED = Unquantized()

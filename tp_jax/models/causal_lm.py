@@ -104,13 +104,13 @@ class DecoderModel(nnx.Module):
             kind: Stack(lambda r, kind=kind: FEED_FORWARDS[kind](cfg, tp, dtype, r), len(m), rngs, layer_map=m)
             for kind, m in self.ff_plan.stack_maps.items()})
 
-    def __call__(self, ids, positions, cache: KVCache | None = None, microbatches: int = 1):
+    def __call__(self, ids, positions, cache: KVCache | None = None, microbatches: int = 1, lora=None):
         h = self.embed_tokens(ids)
         if self.embed_scale is not None:                # rounded to the dtype first, as transformers does
             h = h * jnp.asarray(self.embed_scale, h.dtype)
         if self.embed_positions is not None:
             h = h + self.embed_positions(positions)
-        h, cache = run_layers(self.layers, h, positions, cache, microbatches, self._slot_args())
+        h, cache = run_layers(self.layers, h, positions, cache, microbatches, self._slot_args(), lora)
         return self.norm(h), cache
 
     def _slot_args(self):
@@ -130,7 +130,8 @@ class CausalLM(nnx.Module):
     `embed_tokens` unless `cfg.tie_word_embeddings` is false.
 
     The contract the engine relies on (keyword-only past the inputs):
-      hidden_states(ids, positions, cache=None, *, microbatches=1) -> (h[B, T, D], cache)
+      hidden_states(ids, positions, cache=None, *, microbatches=1, lora=None) -> (h[B, T, D], cache)
+                                                     (lora: a step's LoRA adapters, tp_jax/parallel/layers/lora.py)
       logits(h[..., D]) -> [..., V]                  (all-gathered over tp)
       kv_layout() -> KVLayout                        (the pool this model needs)
       config, dtype, layer_map
@@ -158,8 +159,8 @@ class CausalLM(nnx.Module):
         plan = plan_heads(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
         return KVLayout(len(self.layer_map), plan.padded_kv_heads, self.config.head_dim, self.dtype)
 
-    def hidden_states(self, ids, positions, cache: KVCache | None = None, *, microbatches: int = 1):
-        return self.model(ids, positions, cache, microbatches)
+    def hidden_states(self, ids, positions, cache: KVCache | None = None, *, microbatches: int = 1, lora=None):
+        return self.model(ids, positions, cache, microbatches, lora)
 
     def logits(self, h: jax.Array) -> jax.Array:
         logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)

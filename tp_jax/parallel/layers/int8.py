@@ -45,8 +45,8 @@ import numpy as np
 
 from tp_jax.parallel.layers.loading import ExpertParam, LazyTensor, ShardedParam, check_shape, take_rows
 from tp_jax.parallel.layers.method import (EMBEDDING, EXPERTS, LINEAR, DerivedParam, ExpertMethod, LinearMethod,
-                                           QuantizationError, WeightParam, out_in, pad_rows, quantize_rows,
-                                           stacked_kernel, tiled_matmul)
+                                           QuantizationError, SplitGemm, WeightParam, out_in, pad_rows,
+                                           quantize_rows, stacked_kernel, tiled_matmul)
 from tp_jax.parallel.mesh import TP
 
 QMAX = 127
@@ -56,7 +56,7 @@ CHUNK_BYTES = 16 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
-class Int8(LinearMethod, ExpertMethod):
+class Int8(LinearMethod, SplitGemm, ExpertMethod):
     """int8 weights with per-output-channel float32 scales; `activations` "float" (weight-only) or "int8"
     (W8A8: per-token int8 activations, int32 accumulation). See the module docstring."""
     activations: str = "float"

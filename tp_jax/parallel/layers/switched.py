@@ -12,7 +12,8 @@ index and that layer of every slot, with which `MethodLayer.gemm` runs
 
 each branch the dot of slot j's own weight, a whole buffer XLA reads in place. XLA:CPU compiles each
 branch apart, so a branch holds only the dot: the method's work on the activations alone
-(`LinearMethod.prepare`) runs before the switch and its scales (`LinearMethod.finish`) after it, once, and
+(`SplitGemm.prepare`, layers/method.py) runs before the switch and its scales (`SplitGemm.finish`) after
+it, once (a method that is no `SplitGemm` runs whole in each branch: `gemm_parts`), and
 the compile time stays near the scan's. Slots held by different methods (GGUF types) switch over each
 method's whole `apply`. Same numbers as the scan.
 """
@@ -30,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from tp_jax.parallel.layers.base import MethodLayer, WeightView
+from tp_jax.parallel.layers.method import gemm_parts
 from tp_jax.parallel.mesh import PP
 
 
@@ -47,18 +49,18 @@ class SlotSwitch(WeightView):
         a = x.reshape(rows, x.shape[-1])
         if rows == 1:
             a = jnp.concatenate([a, a], axis=0)
-        method = layer.method
         if same_method(self.peers):
-            prepared = method.prepare(a)
+            parts = gemm_parts(layer.method)
+            prepared = parts.prepare(a)
             raw = jax.lax.switch(self.index, [branch(peer, "multiply") for peer in self.peers], prepared)
-            y = method.finish(layer, raw, prepared)
+            y = parts.finish(layer, raw, prepared)
         else:                                                     # layers held by different methods (GGUF types)
             y = jax.lax.switch(self.index, [branch(peer, "apply") for peer in self.peers], a)
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
 
 def branch(layer: MethodLayer, op: str):
-    """`x -> layer.method.<op>(layer, x)` as a switch branch that takes the layer's params as arguments of a
+    """`x -> <op>(layer, x)` ("apply", or `gemm_parts(layer.method)`'s "multiply") as a switch branch that takes the layer's params as arguments of a
     function traced once per (layer structure, op); the structure holds the method (static graph data). The slots
     of a switched Stack share it, so a switch over N slots traces its GEMM once, not N times (each new step shape
     traces the layer loop again)."""
@@ -70,7 +72,7 @@ def branch(layer: MethodLayer, op: str):
 def _traced_branch(graphdef, op: str):
     def run(state, x):
         layer = nnx.merge(graphdef, state)
-        return getattr(layer.method, op)(layer, x)
+        return getattr(layer.method if op == "apply" else gemm_parts(layer.method), op)(layer, x)
     return jax.jit(run)
 
 
@@ -81,9 +83,9 @@ def same_method(layers: Sequence[MethodLayer]) -> bool:
 
 def switch_owned(peers: Sequence[MethodLayer]) -> tuple[str, ...]:
     """The names of the params a switched GEMM over `peers` (one layer of every slot) reads in its branches: the
-    method's `multiply_suffixes` when the peers share it, else every weight param."""
+    method's `multiply_suffixes` (`gemm_parts`) when the peers share it, else every weight param."""
     layer = peers[0]
-    suffixes = layer.method.multiply_suffixes if same_method(peers) else layer.method.suffixes
+    suffixes = gemm_parts(layer.method).multiply_suffixes if same_method(peers) else layer.method.suffixes
     return tuple(layer.weight_name + s for s in suffixes)
 
 

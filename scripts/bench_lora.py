@@ -44,18 +44,11 @@ def parse_args():
 def all_slots(delta):
     """A `lora.add` computing the layer's contribution with `delta(rows, slots, A[S, in, P * R], B[S, R, out],
     parts)` (the alternatives to tp_jax's gather)."""
-    from tp_jax.parallel.layers import lora
 
-    def add(module, x, y):
-        key = getattr(module, "lora_key", None)
-        step, at = getattr(lora._state, "step", None), getattr(lora._state, "layer", None)
-        if key is None or step is None or at is None or key not in step[0]:
-            return y
-        (a, b), parts = step[0][key], step[2][key]
-        index, slots = at
-        a, b = a[index], b[index]
-        rows, flat = x.reshape(-1, x.shape[-1]), slots.reshape(-1)
-        return y + delta(rows, flat, a, b, parts).reshape(y.shape).astype(y.dtype)
+    def add(x, y, lora):
+        rows, flat = x.reshape(-1, x.shape[-1]), lora.slots.reshape(-1)
+        a, b = lora.a[lora.index], lora.b[lora.index]
+        return y + delta(rows, flat, a, b, lora.parts).reshape(y.shape).astype(y.dtype)
     return add
 
 

@@ -200,32 +200,52 @@ def test_heads_not_multiple_of_kv():
         QKVParallelLinear(8, 4, 10, 4, tp_size=2, rngs=nnx.Rngs(0))
 
 
-def test_switching_gemm_applies_the_indexed_peers_weight():
-    """MethodLayer.switching(index, peers): inside, gemm is a lax.switch over the peers' own weights (x W_i^T
-    for the traced index, one row padded to two); outside, the layer's own weight; the state is the layer's
-    and is cleared on exit, an exception included. A layer that reads its weight outside gemm refuses."""
-    from tp_jax.parallel.layers import VocabParallelEmbedding
+def test_switched_gemm_applies_the_indexed_slots_weight():
+    """A switched loop's view of a layer holds a SlotSwitch in place of its weight: gemm is then a lax.switch over
+    the slots' own weights (x W_i^T for the traced index, one row padded to two); the layers themselves keep their
+    arrays and multiply by their own weight."""
+    from tp_jax.parallel.layers.switched import SlotSwitch
     from tp_jax.parallel.mesh import make_mesh
     mesh = make_mesh(devices=jax.devices()[:1])
     layers = [build(mesh, ColumnParallelLinear, 16, 8, bias=False) for _ in range(3)]
+    for i, layer in enumerate(layers):
+        layer.kernel.set_value(layer.kernel[...] * (i + 1))
     weights = [np.asarray(layer.kernel[...]) for layer in layers]                 # [in, out]: W^T
+
+    def view(index):
+        graphdef, state = nnx.split(layers[0])
+        own = id(layers[0].kernel.get_value())
+        leaves, treedef = jax.tree.flatten(state)
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, [SlotSwitch(index, layers) if id(v) == own else v
+                                                               for v in leaves]))
+
     for rows in (1, 5):
         x = randn(rows, 16, seed=rows)
-
-        @jax.jit
-        def switched(i, x):
-            with layers[0].switching(i, layers):
-                return layers[0].gemm(x)
-
+        switched = jax.jit(lambda i, x: view(i).gemm(x))
         for i in range(3):
             np.testing.assert_allclose(np.asarray(switched(np.int32(i), x)), x @ weights[i], rtol=1e-5, atol=1e-5)
-    assert "_switch" not in vars(layers[0])
-    np.testing.assert_allclose(np.asarray(layers[0].gemm(x)), x @ weights[0], rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="inside"):
-        with layers[1].switching(0, layers):
-            raise RuntimeError("inside")
-    assert "_switch" not in vars(layers[1])
-    table = build(mesh, VocabParallelEmbedding, 32, 16)
-    with pytest.raises(TypeError, match="VocabParallelEmbedding reads its weight outside gemm"):
-        with table.switching(0, [table]):
-            pass
+    for layer, w in zip(layers, weights):
+        assert isinstance(layer.kernel.get_value(), jax.Array)
+        np.testing.assert_allclose(np.asarray(layer.gemm(x)), x @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_switch_loop_equals_scan():
+    """A Stack given the SwitchLoop (one array per slot, switched GEMMs, the rest indexed) gives the scan's numbers;
+    the loop is the stack's own strategy (`Stack.loop`), and its params are stored per slot."""
+    from tp_jax.parallel.layers import Stack
+    from tp_jax.parallel.layers.stack import SCAN
+    from tp_jax.parallel.layers.switched import SWITCH
+    from tp_jax.parallel.mesh import make_mesh
+    mesh = make_mesh(devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        stack = Stack(lambda r: ColumnParallelLinear(16, 16, tp_size=1, bias=True, rngs=r), 3, nnx.Rngs(0))
+    x = randn(5, 16)
+
+    def run(stack, x):
+        return stack(lambda layer, i, h, c: (h + layer(h), c), x)[0]
+
+    scanned = np.asarray(jax.jit(run)(stack, x))
+    assert stack.loop is SCAN
+    stack.use_loop(SWITCH, mesh)
+    assert stack.loop is SWITCH and stack.layers is None and len(stack.slots) == 3
+    np.testing.assert_allclose(np.asarray(jax.jit(run)(stack, x)), scanned, rtol=1e-6, atol=1e-6)

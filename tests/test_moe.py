@@ -235,6 +235,23 @@ def test_int8_experts_match_the_round_tripped_block(kind, ep):
         np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=0, err_msg=dispatch)
 
 
+def test_experts_refuse_a_method_without_the_expert_interface():
+    """Experts call their method only through `ExpertMethod`: a method that is none is refused by name when it is
+    given to the experts, and a method listing EXPERTS without implementing it fails when its class is defined."""
+    import dataclasses
+    from typing import ClassVar
+    from tp_jax.parallel.layers import Bfloat16, LinearMethod, UnsupportedLayerError
+    from tp_jax.parallel.layers.method import EXPERTS
+    with jax.set_mesh(mesh_for(1, 1, 1)):
+        block = FusedMoE(D, F, 4, 2, renormalize=True, rngs=nnx.Rngs(0))
+        with pytest.raises(UnsupportedLayerError, match=r"'bf16' cannot hold stacked experts.*leave the experts float"):
+            block.experts.use_method(Bfloat16())
+    with pytest.raises(TypeError, match=r"Half lists 'experts' in kinds but is no ExpertMethod: implement expert_params"):
+        @dataclasses.dataclass(frozen=True)
+        class Half(LinearMethod):
+            kinds: ClassVar[tuple[str, ...]] = (EXPERTS,)
+
+
 def test_expert_slots_follow_vllm_expert_map():
     np.testing.assert_array_equal(expert_slots(10, 8), [[0, 1], [2, 3]] + [[e, -1] for e in range(4, 10)])
     np.testing.assert_array_equal(expert_slots(6, 8), [[e] for e in range(6)] + [[-1], [-1]])

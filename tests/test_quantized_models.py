@@ -294,7 +294,7 @@ def test_unknown_quantization_argument_fails_before_the_load(value, error, messa
 @pytest.mark.parametrize("quantization", ["int8", "w8a8x2", "w8a8x2_bf16", "gguf", "gguf_bf16"])
 def test_switched_layers_hold_the_same_quantized_weights(int8_refs, tiny_gguf, ids, quantization):
     """LLM(layer_loop="switch") splits every param of the stack per layer slot, the methods' params too, looped
-    with switched GEMMs (w8a8x2: the activation digits made once before the switch, `LinearMethod.prepare`, the
+    with switched GEMMs (w8a8x2: the activation digits made once before the switch, `SplitGemm.prepare`, the
     scales applied once after it, `finish`): the scanned stack's numbers bit for bit, its layer body computes
     what the scan's does."""
     path = tiny_gguf[0] if quantization.startswith("gguf") else int8_refs["h9kv3"][0]

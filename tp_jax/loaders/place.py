@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from tp_jax.loaders.bind import (Binding, CheckpointMismatchError, MissingWeightError, NameTableError, as_table,
                                  bind, check_source)
 from tp_jax.parallel.layers import Entry, MethodLayer, WeightTable
-from tp_jax.parallel.layers.method import DerivedParam, Unquantized
+from tp_jax.parallel.layers.method import DerivedParam
 from tp_jax.parallel.mesh import TP
 
 
@@ -95,9 +95,8 @@ def place_param(b: Binding, abstract, spec, mesh: Mesh, source, dtype, layer_map
 
 
 def _method_weight(b: Binding) -> bool:
-    """Whether `b` is the weight of a layer whose method is not `Unquantized` (it chose the weight's dtype)."""
-    return isinstance(b.module, MethodLayer) and b.name == b.module.weight_name and \
-        not isinstance(b.module.method, Unquantized)
+    """Whether `b` is the weight of a layer whose method chose the weight's dtype (any but a `float_weight` one)."""
+    return isinstance(b.module, MethodLayer) and b.name == b.module.weight_name and not b.module.method.float_weight
 
 
 def _place(shape: tuple[int, ...], sharding: NamedSharding, block, dtype) -> jax.Array:

@@ -24,7 +24,7 @@ from flax import nnx
 
 from tp_jax.loaders.bind import Binding, as_table, bind
 from tp_jax.parallel.layers import Entry, Experts, MethodLayer, WeightTable
-from tp_jax.parallel.layers.method import LinearMethod, QuantizationError, Unquantized
+from tp_jax.parallel.layers.method import LinearMethod, QuantizationError
 from tp_jax.parallel.layers.quantization import AUTO, NONE, quantization_config
 
 
@@ -83,7 +83,7 @@ def _plan(name: str, weights: list[Binding], source, num_layers: int) -> tuple[d
         module_path = b.path.rsplit(".", 1)[0]
         try:
             method = config.method_for(b.module, _tensors(b, source, num_layers))
-            if method is not None and not isinstance(method, Unquantized):
+            if method is not None and not method.float_weight:
                 method.check(b.module, b.module.statements()[b.module.weight_name])
                 plan[module_path] = method
         except QuantizationError as e:
@@ -103,5 +103,5 @@ def _listing(problems: list[str], shown: int = 5) -> str:
 def describe_methods(model: nnx.Module) -> str:
     """How a loaded model holds its weights: "gguf Q4_1, gguf Q8_0", "int8", or "none" (all float)."""
     labels = {node.method.label for _, node in nnx.iter_graph(model)
-              if isinstance(node, (MethodLayer, Experts)) and not isinstance(node.method, Unquantized)}
+              if isinstance(node, (MethodLayer, Experts)) and not node.method.float_weight}
     return ", ".join(sorted(labels)) or "none"

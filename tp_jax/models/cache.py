@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tp_jax.parallel import collectives
-from tp_jax.parallel.layers import lora
+from tp_jax.parallel.layers.lora import LoRAStep
 from tp_jax.parallel.layers.stack import Stack
 from tp_jax.parallel.mesh import PP
 from tp_jax.parallel.pipeline import run_pipeline
@@ -113,12 +113,15 @@ class LayerCache:
 
 
 def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache | None = None,
-               microbatches: int = 1, slot_args: Callable | None = None) -> tuple[jax.Array, KVCache | None]:
+               microbatches: int = 1, slot_args: Callable | None = None,
+               lora: LoRAStep | None = None) -> tuple[jax.Array, KVCache | None]:
     """h[B, T, D] through every layer of `stack` (pp stages, GPipe micro-batches); the pool written in place.
 
     `slot_args(slot) -> tuple` (None: the layers are alike): more arguments for the layer at global stacked slot
-    `slot` (a traced int32: the stage's first slot + the local index), e.g. its index for per-layer tables."""
-    rows = (positions, None if cache is None else cache.batch, lora.token_slots())   # LoRA: each token's adapter
+    `slot` (a traced int32: the stage's first slot + the local index), e.g. its index for per-layer tables.
+    `lora`: the step's LoRA adapters (tp_jax/parallel/layers/lora.py): each micro-batch's token slots ride with
+    its rows, and each layer runs as `lora.view(layer, index, slots)`."""
+    rows = (positions, None if cache is None else cache.batch, None if lora is None else lora.slots)
     pools = None if cache is None else (cache.k, cache.v)
     backend = "reference" if cache is None else cache.backend
 
@@ -130,10 +133,11 @@ def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache 
 
         def layer_step(layer, index, h, pools):
             more = () if slot_args is None else slot_args(first + index)
-            with lora.layer(index, slots):
-                if pools is None:
-                    return layer(h, pos, None, *more)[0], None
-                h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend), *more)
+            if lora is not None:
+                layer = lora.view(layer, index, slots)
+            if pools is None:
+                return layer(h, pos, None, *more)[0], None
+            h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend), *more)
             return h, (lc.k, lc.v)
 
         return stack(layer_step, h, pools)

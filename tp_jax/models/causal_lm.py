@@ -105,9 +105,9 @@ class DecoderModel(nnx.Module):
         """h[B, T, D] entering the first layer: the token embedding (one all-reduce over tp)."""
         return self.embed_tokens(ids)
 
-    def __call__(self, ids, positions, cache: KVCache | None = None, microbatches: int = 1):
+    def __call__(self, ids, positions, cache: KVCache | None = None, microbatches: int = 1, lora=None):
         h = self.embed(ids, positions)
-        h, cache = run_layers(self.layers, h, positions, cache, microbatches, self._slot_args())
+        h, cache = run_layers(self.layers, h, positions, cache, microbatches, self._slot_args(), lora)
         return self.norm(h), cache
 
     def _slot_args(self):
@@ -131,7 +131,8 @@ class CausalLM(nnx.Module):
     and overrides `logits` or `kv_layout` where they differ.
 
     The contract the engine relies on (keyword-only past the inputs):
-      hidden_states(ids, positions, cache=None, *, microbatches=1) -> (h[B, T, D], cache)
+      hidden_states(ids, positions, cache=None, *, microbatches=1, lora=None) -> (h[B, T, D], cache)
+                                                     (lora: a step's LoRA adapters, tp_jax/parallel/layers/lora.py)
       logits(h[..., D]) -> [..., V]                  (all-gathered over tp)
       kv_layout() -> KVLayout                        (the pool this model needs)
       config, dtype, layer_map
@@ -160,8 +161,8 @@ class CausalLM(nnx.Module):
         plan = plan_heads(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
         return KVLayout(len(self.layer_map), plan.padded_kv_heads, self.config.head_dim, self.dtype)
 
-    def hidden_states(self, ids, positions, cache: KVCache | None = None, *, microbatches: int = 1):
-        return self.model(ids, positions, cache, microbatches)
+    def hidden_states(self, ids, positions, cache: KVCache | None = None, *, microbatches: int = 1, lora=None):
+        return self.model(ids, positions, cache, microbatches, lora)
 
     def logits(self, h: jax.Array) -> jax.Array:
         return self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)

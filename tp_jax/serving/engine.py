@@ -85,7 +85,7 @@ class EngineCore:
         # every process must build the same pool: the driver decides its size from its own budget
         self.pool = plan(share_from_driver(lambda: plan(config.num_gpu_blocks).num_blocks))
         self.lora = self.lora_slots = None
-        if config.enable_lora:                         # the adapters' slots: built (marking the layers) before the runner
+        if config.enable_lora:                         # the adapters' device slots, passed to every step
             from tp_jax.serving.lora import LoRASlots, LoRAWeights
             if jax.process_count() > 1:
                 raise ValueError("enable_lora: LoRA adapters are served on one process; run a single host")

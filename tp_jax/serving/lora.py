@@ -12,7 +12,8 @@ models.py, worker_manager.py).
   refused by name. Only the safetensors header is read here.
 * `LoRAWeights`: the device side. Per target layer, `max_loras` slots of A and B, each device holding its
   slice (tp_jax/parallel/layers/lora.py says how each layer kind splits); `load(slot, adapter)` reads each
-  rank's rows from the file and writes that slot.
+  rank's rows from the file and writes that slot. The runner passes them, with each token's slot, to every
+  step (`LoRAStep`); the model's layers are not touched.
 * `LoRASlots`: which adapter each device slot holds, for the scheduler: a request runs only while its adapter
   has a slot; a slot no running request uses is reused, least recently used first. `max_cpu_loras` parsed
   adapters stay in host memory (an LRU), so a slot is refilled without reading the file again.
@@ -177,7 +178,7 @@ class _Layer:
 
 
 class LoRAWeights:
-    """`max_loras` adapter slots of every target layer, on the mesh (see the module doc); marks the layers."""
+    """`max_loras` adapter slots of every target layer, on the mesh (see the module doc)."""
 
     def __init__(self, model, mesh: Mesh, max_loras: int, max_rank: int):
         self.mesh, self.slots, self.rank = mesh, max_loras, max_rank
@@ -185,20 +186,18 @@ class LoRAWeights:
         self.dtype = jnp.dtype(model.dtype)
         self.tp = mesh.shape[TP]
         stack = model.model.layers
-        copies = [stack.layers] if stack.slots is None else list(stack.slots)
+        layer = stack.layers if stack.slots is None else stack.slots[0]       # the stack's layer (any slot's)
         self.layers: dict[str, _Layer] = {}
         for target in lora_targets(model).values():
-            nodes = [_node(copy, target.key) for copy in copies]
-            if target.key in self.layers or not isinstance(nodes[0], (ColumnParallelLinear, RowParallelLinear)):
+            node = _node(layer, target.key)
+            if target.key in self.layers or not isinstance(node, (ColumnParallelLinear, RowParallelLinear)):
                 continue
-            decl = nodes[0].statements()["kernel"]
-            column = isinstance(nodes[0], ColumnParallelLinear)
+            decl = node.statements()["kernel"]
+            column = isinstance(node, ColumnParallelLinear)
             parts = tuple(decl.parts)
             self.layers[target.key] = _Layer(
                 target.key, column, parts, {p: decl.parts[p].rows for p in parts},
                 next(iter(decl.parts.values())).hf_shape[1], sum(decl.parts[p].hf_shape[0] for p in parts))
-            for node in nodes:
-                node.lora_key = target.key                    # static: read while a step traces (layers/lora.py)
         for layer in self.layers.values():
             a_shape, b_shape = self._shapes(layer)
             layer.a = jnp.zeros(a_shape, self.dtype, device=self._sharding(layer, "a"))

@@ -17,7 +17,6 @@ Both are jitted once per shape and flag set; `compiled_shapes` lists the forward
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -29,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tp_jax.models.cache import KVCache, PagedBatch
 from tp_jax.multihost.distributed import to_global, to_host
 from tp_jax.parallel.invariant import consistent_jit
-from tp_jax.parallel.layers import lora as lora_layers
+from tp_jax.parallel.layers.lora import LoRAStep
 from tp_jax.parallel.mesh import DP
 from tp_jax.serving import prompt_logprobs, sampling
 from tp_jax.serving.batch import StepShape, unpack
@@ -43,8 +42,8 @@ from tp_jax.serving.structured import apply_bitmask
 class ModelRunner:
     def __init__(self, model: nnx.Module, mesh: Mesh, pool: PoolShape, microbatches: int, penalties: Penalties,
                  attention_backend: str = "reference", lora=None):
-        """`lora`: the adapters' device slots (tp_jax/serving/lora.py LoRAWeights), built before this (it marks
-        the target layers); each step then passes them and every token's slot."""
+        """`lora`: the adapters' device slots (tp_jax/serving/lora.py LoRAWeights); each step then passes them and
+        every token's slot to the model (`hidden_states(..., lora=LoRAStep(...))`)."""
         self.mesh, self.pool, self.penalties, self.lora = mesh, pool, penalties, lora
         graphdef, state = nnx.split(model)
         specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, P))
@@ -57,8 +56,8 @@ class ModelRunner:
             m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
             paged = PagedBatch(*(a[k] for k in PagedBatch.FIELDS))
             cache = KVCache(k, v, paged, attention_backend)
-            with lora_layers.active(*adapters, lora.parts()) if adapters else contextlib.nullcontext():
-                h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches)
+            step = {"lora": LoRAStep(*adapters, lora.parts())} if adapters else {}     # LoRA engines only
+            h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches, **step)
             last = jnp.take_along_axis(h, a["logits_index"][..., None], axis=1)     # [M, R, D]
             scored = tuple(prompt_logprobs.compute(m, h, x, prompt_k) for x in prompt)   # () unless asked
             return m.logits(last), cache.k, cache.v, *scored

@@ -14,8 +14,8 @@ from tp_jax.parallel.layers.linear import (ColumnParallelLinear, MergedColumnPar
                                            RowParallelLinear)
 from tp_jax.parallel.layers.loading import (ExpertParam, LazyTensor, PartRows, ShardedParam, WeightShapeError, contiguous_rows,
                                             expand_heads, replicated_rows)
-from tp_jax.parallel.layers.method import (Bfloat16, DerivedParam, LinearMethod, QuantizationError, Unquantized,
-                                           UnsupportedLayerError, WeightParam)
+from tp_jax.parallel.layers.method import (Bfloat16, DerivedParam, ExpertMethod, LinearMethod, QuantizationError,
+                                           Unquantized, UnsupportedLayerError, WeightParam)
 from tp_jax.parallel.layers.moe import Experts, FusedMoE, expert_slots
 from tp_jax.parallel.layers.norm import GemmaRMSNorm, LayerNorm, QKNorm, RMSNorm
 from tp_jax.parallel.layers.quantization import (QuantizationConfig, apply_methods, quantization_config,
@@ -31,5 +31,5 @@ __all__ = ["ParallelModule", "ReplicatedLinear", "ColumnParallelLinear", "Merged
            "LazyTensor", "PartRows", "ShardedParam", "WeightShapeError",
            "contiguous_rows", "replicated_rows", "expand_heads", "Entry", "WeightTable",
            "MethodLayer", "LinearMethod", "Unquantized", "Bfloat16", "Int8", "GGUFBlocks", "ByRows", "DerivedParam", "WeightParam",
-           "QuantizationError", "UnsupportedLayerError", "QuantizationConfig", "quantization_config",
+           "ExpertMethod", "QuantizationError", "UnsupportedLayerError", "QuantizationConfig", "quantization_config",
            "register_quantization", "apply_methods", "FusedMoE", "Experts", "expert_slots", "ExpertParam"]

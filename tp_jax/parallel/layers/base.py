@@ -9,10 +9,8 @@ method turns that statement into its params and runs the local GEMM.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import ClassVar
 
 import jax
@@ -21,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from tp_jax.parallel.layers.loading import LazyTensor, ShardedParam
-from tp_jax.parallel.layers.method import LINEAR, UNQUANTIZED, DerivedParam, LinearMethod, Unquantized, WeightParam
+from tp_jax.parallel.layers.method import LINEAR, UNQUANTIZED, DerivedParam, LinearMethod, WeightParam
 
 Spec = tuple[str | None, ...]
 
@@ -102,12 +100,12 @@ class ParallelModule(nnx.Module):
 ParallelModule.__signature__ = inspect.Signature()      # an abstract base: subclasses bring the arguments
 
 
-class _Switch:
-    """A switched Stack's loop index and the same layer of every slot, held by a body's MethodLayer while
-    the body traces (`MethodLayer.switching`). A plain object: static to nnx, never a param."""
+class WeightView:
+    """What a layer loop's view of a layer may hold in place of a `MethodLayer`'s weight param: it runs the
+    layer's GEMM (`gemm(layer, x)`), e.g. a switched loop's `SlotSwitch` (layers/switched.py)."""
 
-    def __init__(self, index: jax.Array, peers: Sequence[MethodLayer]):
-        self.index, self.peers = index, tuple(peers)
+    def gemm(self, layer: MethodLayer, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
 
 
 class MethodLayer(ParallelModule):
@@ -123,7 +121,7 @@ class MethodLayer(ParallelModule):
     weight_name: ClassVar[str] = "kernel"
     weight_kind: ClassVar[str] = LINEAR
     weight_transposed: ClassVar[bool] = True
-    switched: ClassVar[bool] = True              # reads its weight only through gemm (a switched Stack may)
+    switched: ClassVar[bool] = True              # reads its weight only through gemm (a switched loop may)
 
     def statements(self) -> dict[str, ShardedParam]:
         raise NotImplementedError(f"{type(self).__name__} declares no statements()")
@@ -132,47 +130,12 @@ class MethodLayer(ParallelModule):
         raise NotImplementedError(f"{type(self).__name__} declares no weight_shape()")
 
     def gemm(self, x: jax.Array) -> jax.Array:
-        """`self.method.apply(self, x)`; inside `switching(index, peers)` (a switched Stack's loop body), a
-        `lax.switch` on index over the peers (the same layer of every slot) whose branches each read one slot's
-        own weight, a whole buffer read in place. When every slot holds the same method, a branch is only the
-        method's `multiply` on that slot's `multiply_suffixes` params: its `prepare(x)` (int8 activations'
-        digits) runs once before the switch and its `finish` (the scales) once after it, on this layer's own
-        other params (the switched Stack indexes them per slot); XLA:CPU compiles each branch apart, so what
-        stays out of the branches is compiled once instead of once per slot. A single row is padded to two
-        there (XLA:CPU generates a kernel for every 1-row dot)."""
-        switch = self.__dict__.get("_switch")
-        if switch is None:
-            return self.method.apply(self, x)
-        rows = int(np.prod(x.shape[:-1]))
-        a = x.reshape(rows, x.shape[-1])
-        if rows == 1:
-            a = jnp.concatenate([a, a], axis=0)
-        method = self.method
-        if same_method(switch.peers):
-            prepared = method.prepare(a)
-            raw = jax.lax.switch(switch.index, [branch(peer, "multiply") for peer in switch.peers], prepared)
-            y = method.finish(self, raw, prepared)
-        else:                                                     # layers held by different methods (GGUF types)
-            y = jax.lax.switch(switch.index, [branch(peer, "apply") for peer in switch.peers], a)
-        return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
-
-    def switch_owned(self, peers: Sequence[MethodLayer]) -> tuple[str, ...]:
-        """The names of this layer's params a switched GEMM over `peers` (this layer of every slot) reads in its
-        branches: the method's `multiply_suffixes` when the peers share it, else every weight param."""
-        suffixes = self.method.multiply_suffixes if same_method(peers) else self.method.suffixes
-        return tuple(self.weight_name + s for s in suffixes)
-
-    @contextlib.contextmanager
-    def switching(self, index: jax.Array, peers: Sequence[MethodLayer]) -> Iterator[None]:
-        """While the block runs, `gemm` switches on `index` over `peers` (set by a switched Stack for the
-        trace of its loop body; cleared on exit, an exception included)."""
-        if not self.switched:
-            raise TypeError(f"{type(self).__name__} reads its weight outside gemm(): it cannot be switched")
-        object.__setattr__(self, "_switch", _Switch(index, peers))      # no nnx attribute: not in the graph
-        try:
-            yield
-        finally:
-            object.__delattr__(self, "_switch")
+        """`self.method.apply(self, x)`, this rank's GEMM; in a layer loop's view whose weight is a `WeightView`
+        (a switched Stack's `SlotSwitch`, layers/switched.py), that view's GEMM."""
+        view = getattr(self, self.weight_name).get_value()
+        if isinstance(view, WeightView):
+            return view.gemm(self, x)
+        return self.method.apply(self, x)
 
     def loading(self) -> dict[str, ShardedParam]:
         decl = self.statements()
@@ -190,7 +153,7 @@ class MethodLayer(ParallelModule):
         self.method.check(self, weight)
         for suffix, p in self._weight_params(weight).items():
             setattr(self, self.weight_name + suffix, declared_param(
-                rngs, p.decl, p.shape, p.dtype, init if isinstance(self.method, Unquantized) else None))
+                rngs, p.decl, p.shape, p.dtype, self.method.initializer(init)))
 
     def use_method(self, method: LinearMethod) -> None:
         """Re-create the weight's params for `method` on a built layer (the loader does this on an abstract
@@ -210,28 +173,6 @@ class MethodLayer(ParallelModule):
     def weight(self, suffix: str = "") -> jax.Array:
         """This rank's block of the weight's param `weight_name + suffix` (inside shard_map)."""
         return getattr(self, self.weight_name + suffix)[...]
-
-
-def branch(layer: MethodLayer, op: str):
-    """`x -> layer.method.<op>(layer, x)` as a switch branch that takes the layer's params as arguments of a
-    function traced once per (layer structure, op); the structure holds the method (static graph data). The slots
-    of a switched Stack share it, so a switch over N slots traces its GEMM once, not N times (each new step shape
-    traces the layer loop again)."""
-    graphdef, state = nnx.split(layer)
-    return functools.partial(_traced_branch(graphdef, op), state)
-
-
-@functools.lru_cache(maxsize=1024)
-def _traced_branch(graphdef, op: str):
-    def run(state, x):
-        layer = nnx.merge(graphdef, state)
-        return getattr(layer.method, op)(layer, x)
-    return jax.jit(run)
-
-
-def same_method(layers: Sequence[MethodLayer]) -> bool:
-    """Whether every layer holds the first's method (a switched GEMM then splits it: `MethodLayer.gemm`)."""
-    return all(layer.method == layers[0].method for layer in layers)
 
 
 def declared_param(rngs: nnx.Rngs, decl: ShardedParam, shape: tuple[int, ...], dtype, init=None) -> nnx.Param:

@@ -26,11 +26,12 @@ from typing import ClassVar
 import jax
 import numpy as np
 
-from tp_jax.parallel.layers.method import DerivedParam, LinearMethod, QuantizationError, WeightParam
+from tp_jax.parallel.layers.method import (DerivedParam, LinearMethod, QuantizationError, SplitGemm, WeightParam,
+                                           gemm_parts)
 
 
 @dataclasses.dataclass(frozen=True)
-class ByRows(LinearMethod):
+class ByRows(LinearMethod, SplitGemm):
     """`few` for a GEMM of at most `max_rows` rows, `many` above (module docstring); both hold the weight."""
     few: LinearMethod
     many: LinearMethod
@@ -59,7 +60,8 @@ class ByRows(LinearMethod):
 
     @property
     def multiply_suffixes(self) -> tuple[str, ...]:
-        return (*self.few.multiply_suffixes, *(self.many_suffix + s for s in self.many.multiply_suffixes))
+        return (*gemm_parts(self.few).multiply_suffixes,
+                *(self.many_suffix + s for s in gemm_parts(self.many).multiply_suffixes))
 
     def check(self, layer, weight) -> None:
         super().check(layer, weight)
@@ -85,17 +87,17 @@ class ByRows(LinearMethod):
         """{"few" or "many": that method's `prepare(x)`}: the key, static in the pytree, carries the choice to
         `multiply` and `finish`."""
         key, method = self._pick(x.shape[0])
-        return {key: method.prepare(x)}
+        return {key: gemm_parts(method).prepare(x)}
 
     def multiply(self, layer, prepared):
         (key, p), = prepared.items()
         method = self.few if key == "few" else self.many
-        return method.multiply(self._view(key, layer), p)
+        return gemm_parts(method).multiply(self._view(key, layer), p)
 
     def finish(self, layer, raw, prepared):
         (key, p), = prepared.items()
         method = self.few if key == "few" else self.many
-        return method.finish(self._view(key, layer), raw, p)
+        return gemm_parts(method).finish(self._view(key, layer), raw, p)
 
     def embed(self, layer, ids):
         """`many`'s rows, whatever the step (an embedding reads one row a token: no GEMM to choose for); for

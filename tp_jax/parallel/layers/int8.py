@@ -44,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tp_jax.parallel.layers.loading import ExpertParam, LazyTensor, ShardedParam, check_shape, take_rows
-from tp_jax.parallel.layers.method import (EMBEDDING, EXPERTS, LINEAR, DerivedParam, LinearMethod, QuantizationError,
-                                           WeightParam, out_in, pad_rows, quantize_rows, tiled_matmul)
+from tp_jax.parallel.layers.method import (EMBEDDING, EXPERTS, LINEAR, DerivedParam, ExpertMethod, LinearMethod,
+                                           QuantizationError, SplitGemm, WeightParam, out_in, pad_rows,
+                                           quantize_rows, stacked_kernel, tiled_matmul)
 from tp_jax.parallel.mesh import TP
 
 QMAX = 127
@@ -55,7 +56,7 @@ CHUNK_BYTES = 16 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
-class Int8(LinearMethod):
+class Int8(LinearMethod, SplitGemm, ExpertMethod):
     """int8 weights with per-output-channel float32 scales; `activations` "float" (weight-only) or "int8"
     (W8A8: per-token int8 activations, int32 accumulation). See the module docstring."""
     activations: str = "float"
@@ -85,13 +86,22 @@ class Int8(LinearMethod):
         return {"": WeightParam(values, (out, inp), np.dtype(np.int8)),
                 "_scale": WeightParam(scale, (out,), np.dtype(np.float32))}
 
-    def expert_params(self, weight: ExpertParam, name: str, shape: tuple[int, ...]) -> dict[str, WeightParam]:
+    def expert_params(self, weight: ExpertParam, name: str, shape: tuple[int, ...], dtype) -> dict[str, WeightParam]:
         """The stacked experts' params for the float statement `weight` of global kernel `shape` [S, in, out]:
         int8 values of that shape and layout, float32 scales [S, out] (per expert, per output row)."""
         values = ExpertInt8Param(weight.parts, weight.split, False, reads=name, expert=weight, want="values")
         scale = ExpertInt8Param(weight.parts, weight.split, False, reads=name, expert=weight, want="scale")
         return {"": WeightParam(values, tuple(shape), np.dtype(np.int8)),
                 "_scale": WeightParam(scale, (shape[0], shape[-1]), np.dtype(np.float32))}
+
+    def expert_kernel(self, layer, name, slot, dtype):
+        """The int8 values cast to `dtype` (the scales are `expert_scaled`'s)."""
+        return stacked_kernel(layer, name, slot, dtype)
+
+    def expert_scaled(self, layer, y, name, slot):
+        """y times the per-expert output-channel scales (exact for per-output-channel scales)."""
+        s = getattr(layer, name + "_scale")[...]                                 # [E_local, out]
+        return y * (s[slot] if slot is not None else s[:, None, :])
 
     @property
     def multiply_suffixes(self) -> tuple[str, ...]:

@@ -30,7 +30,6 @@ import numpy as np
 from flax import nnx
 
 from tp_jax.parallel import collectives
-from tp_jax.parallel.layers import lora
 from tp_jax.parallel.layers.base import MethodLayer, check_tp_size, declared_param, default_kernel_init, split_size
 from tp_jax.parallel.heads import HeadPlan
 from tp_jax.parallel.layers.loading import PartRows, ShardedParam, contiguous_rows, expand_heads
@@ -123,7 +122,7 @@ class ColumnParallelLinear(_Linear):
         return contiguous_rows(self.out_features, self.tp_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = lora.add(self, x, self.gemm(x))            # [..., F_local]; the adapters' B split like F
+        y = self.gemm(x)                               # [..., F_local]; LoRA's B split like F (layers/lora.py)
         if self.bias is not None:
             y = y + self.bias[...]
         y = y.astype(self.param_dtype)
@@ -168,7 +167,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return jnp.split(y, np.cumsum(self.local_sizes)[:-1], axis=-1)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = lora.add(self, x, self.gemm(x))
+        y = self.gemm(x)
         if self.bias is not None:
             y = y + self.bias[...]
         y = y.astype(self.param_dtype)
@@ -243,7 +242,7 @@ class RowParallelLinear(_Linear):
         if not self.input_is_parallel and self.tp_size > 1:
             start = collectives.axis_index(TP) * self.in_local
             x = jax.lax.dynamic_slice_in_dim(x, start, self.in_local, axis=-1)
-        y = lora.add(self, x, self.gemm(x))     # partial sum [..., F] (float32 from a fast method), LoRA's too
+        y = self.gemm(x)                        # partial sum [..., F] (float32 from a fast method), LoRA's too
         if self.reduce_results:
             y = collectives.all_reduce(y, TP, self.reduce_strategy)
             return (y + self.bias[...] if self.bias is not None else y).astype(self.param_dtype)

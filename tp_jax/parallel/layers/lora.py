@@ -1,12 +1,18 @@
 """LoRA on the parallel linear layers (vLLM's vllm/lora/layers/), several adapters in one batch.
 
-A target layer (Column, MergedColumn, QKV or Row) holds no LoRA param: it carries a static
-`lora_key` (e.g. "self_attn.qkv_proj"), and while a step traces, `active(weights, slots, parts)`
-gives every layer of the stack its adapters' slices and each token's adapter slot:
+A step with adapters passes them to the model as an argument, `LoRAStep(weights, slots, parts)`: for
+each target layer of the decoder stack, by its path in a layer ("self_attn.qkv_proj"),
 
     weights[key] = (A[L, S, in, P * R], B[L, S, R, out])    L stacked layers, S adapter slots,
                                                              P the layer's fused parts (q, k, v)
-    y += (x @ A_l[s]) @ B_l[s]       for the tokens of slot s; slot -1: nothing added
+    slots[B, T]                                              each token's adapter slot (-1: none)
+    y += (x @ A_l[s]) @ B_l[s]       for the tokens of slot s
+
+The layer loop (tp_jax/models/cache.py `run_layers`) carries each micro-batch's slots and runs its view of
+layer l through `LoRAStep.view(layer, l, slots)`: the same layer, each target's weight a `LoRAWeight` (a
+`WeightView`, tp_jax/parallel/layers/base.py) whose GEMM is the target's own (`MethodLayer.gemm`) plus
+`add`'s contribution, before the layer's bias and collective. The model's params, its loader and its
+layer loops know nothing of LoRA, and nothing is written onto a built layer.
 
 Each pair is split as its layer (vLLM's rule): a column layer's A is whole and its B split like
 its output (part p's columns of B read part p's R columns of x @ A); a row layer's A is split like
@@ -22,57 +28,61 @@ against per-slot masked dots and `jax.lax.ragged_dot` (docs/performance.md, "LoR
 
 from __future__ import annotations
 
-import contextlib
-import threading
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-_state = threading.local()
-
-
-@contextlib.contextmanager
-def active(weights: dict[str, tuple[jax.Array, jax.Array]], slots: jax.Array, parts: dict[str, tuple[int, ...]]):
-    """While a forward traces: the LoRA weights (local blocks, under shard_map), slots[B, T] (-1: none) and each
-    layer's local output columns per fused part (static)."""
-    previous = getattr(_state, "step", None)
-    _state.step = (weights, slots, parts)
-    try:
-        yield
-    finally:
-        _state.step = previous
+from tp_jax.parallel.layers.base import MethodLayer, WeightView
 
 
-def token_slots() -> jax.Array | None:
-    """The step's slots[B, T] when LoRA is active (the layer loop carries them with their micro-batch)."""
-    step = getattr(_state, "step", None)
-    return None if step is None else step[1]
+@dataclasses.dataclass(frozen=True)
+class LoRAStep:
+    """A step's adapters (local blocks, under shard_map): `weights` {key: (A, B)}, each token's `slots`[B, T] and
+    each layer's local output columns per fused part (`parts` {key: (n, ...)}, static)."""
+    weights: dict[str, tuple[jax.Array, jax.Array]]
+    slots: jax.Array
+    parts: dict[str, tuple[int, ...]]
+
+    def view(self, layer: nnx.Module, index: jax.Array, slots: jax.Array) -> nnx.Module:
+        """`layer` (a loop's view of local stacked layer `index`) with each target's weight a `LoRAWeight` for
+        `slots` (its micro-batch's)."""
+        targets = {}
+        for key, (a, b) in self.weights.items():
+            node = _node(layer, key)
+            targets[id(getattr(node, node.weight_name).get_value())] = LayerLoRA(node, index, slots, a, b,
+                                                                                 self.parts[key])
+        graphdef, state = nnx.split(layer)
+        leaves, treedef = jax.tree.flatten(state)
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, [targets.get(id(v), v) for v in leaves]))
 
 
-@contextlib.contextmanager
-def layer(index: jax.Array, slots: jax.Array | None):
-    """Inside the layer loop: the local stacked layer `index` and its micro-batch's slots."""
-    previous = getattr(_state, "layer", None)
-    _state.layer = None if slots is None else (index, slots)
-    try:
-        yield
-    finally:
-        _state.layer = previous
+class LayerLoRA(WeightView):
+    """A target layer's weight in a LoRA step's view: `base`, the layer as the loop gave it (its GEMM the method's
+    or a switched one), plus its adapters at local layer `index` for the tokens' `slots`."""
+
+    def __init__(self, base: MethodLayer, index: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array,
+                 parts: tuple[int, ...]):
+        self.base, self.index, self.slots, self.a, self.b, self.parts = base, index, slots, a, b, parts
+
+    def gemm(self, layer: MethodLayer, x: jax.Array) -> jax.Array:
+        return add(x, self.base.gemm(x), self)
 
 
-def add(module, x: jax.Array, y: jax.Array) -> jax.Array:
-    """y plus `module`'s LoRA contribution for x (local shapes), or y when LoRA is off for it."""
-    key = getattr(module, "lora_key", None)
-    step, at = getattr(_state, "step", None), getattr(_state, "layer", None)
-    if key is None or step is None or at is None or key not in step[0]:
-        return y
-    (a, b), parts = step[0][key], step[2][key]
-    index, slots = at
-    rows, flat = x.reshape(-1, x.shape[-1]), slots.reshape(-1)
-    out = jax.lax.cond(jnp.any(flat >= 0), lambda: delta(rows, flat, index, a, b, parts),
+def add(x: jax.Array, y: jax.Array, lora: LayerLoRA) -> jax.Array:
+    """y (the GEMM of x, local shapes) plus the layer's LoRA contribution, each token's by its slot."""
+    rows, flat = x.reshape(-1, x.shape[-1]), lora.slots.reshape(-1)
+    out = jax.lax.cond(jnp.any(flat >= 0), lambda: delta(rows, flat, lora.index, lora.a, lora.b, lora.parts),
                        lambda: jnp.zeros((rows.shape[0], y.shape[-1]), jnp.float32))
     return y + out.reshape(y.shape).astype(y.dtype)
+
+
+def _node(module: nnx.Module, key: str) -> MethodLayer:
+    for name in key.split("."):
+        module = getattr(module, name)
+    return module
 
 
 def delta(rows: jax.Array, flat: jax.Array, index: jax.Array, a: jax.Array, b: jax.Array,

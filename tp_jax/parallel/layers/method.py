@@ -29,6 +29,7 @@ all-reduce runs in float32; layers cast to their dtype after it.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -108,18 +109,25 @@ class LinearMethod:
       param of global `shape` and `dtype` (the layer's unquantized kernel or table);
     * `apply(layer, x)`: x[..., in_local] -> [..., out_local], this rank's GEMM (no bias, no
       collective: those are the layer's);
-    * `prepare(x)`, `multiply(layer, prepared)`, `finish(layer, raw, prepared)`: `apply` in three parts, so
-      a switched GEMM (layers/base.py `MethodLayer.gemm`) keeps only the part that reads the weight in its
-      per-layer branches: `prepare` reads x [M, in] alone (int8 activations' digits) and runs once before
-      them, `multiply` reads the params `multiply_suffixes` names (the big ones) and is each branch,
-      `finish` turns its raw output into [M, out_local] with the other params (per-channel scales: small,
-      stacked over the slots) and runs once after them. `finish(layer, multiply(layer, p), p)` with
-      `p = prepare(x)` is `apply(layer, x)` bit for bit; the defaults (x itself, `apply`, the raw output)
-      fit any method;
-    * `embed(layer, ids)`: rows W[ids] -> [..., in] (EMBEDDING kind only).
+    * `embed(layer, ids)`: rows W[ids] -> [..., in] (EMBEDDING kind only);
+    * `apply_f32(layer, x)`: `apply` with float32 output (an MoE router's logits);
+    * `initializer(init)`: how its params start on a built layer (`init`, the layer's, or None: zeros).
+
+    `float_weight`: the weight is the layer's float param as declared, in the model's dtype (`Unquantized`):
+    the loader casts it to the run's dtype, plans no method for it and reports no quantization. A method that
+    lists EXPERTS in `kinds` implements `ExpertMethod` too (checked when the class is defined); one whose GEMM
+    has work on x alone or on small params after the dot may implement `SplitGemm` (the switched layer loop).
     """
     name: ClassVar[str] = "?"
     kinds: ClassVar[tuple[str, ...]] = (LINEAR, EMBEDDING)
+    float_weight: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        kinds = cls.__dict__.get("kinds")
+        if isinstance(kinds, tuple) and EXPERTS in kinds and not issubclass(cls, ExpertMethod):
+            raise TypeError(f"{cls.__name__} lists {EXPERTS!r} in kinds but is no ExpertMethod: implement "
+                            f"expert_params, expert_kernel and expert_scaled (tp_jax/parallel/layers/method.py)")
 
     @property
     def suffixes(self) -> tuple[str, ...]:
@@ -137,28 +145,16 @@ class LinearMethod:
     def apply(self, layer, x: jax.Array) -> jax.Array:
         raise NotImplementedError
 
-    @property
-    def multiply_suffixes(self) -> tuple[str, ...]:
-        """The params (`suffixes`) `multiply` reads; `finish` may read the others. Default: all of them."""
-        return self.suffixes
-
-    def prepare(self, x: jax.Array):
-        """The part of `apply` that reads x [M, in] alone (an activation quantization), as a pytree of arrays.
-        Default: x itself."""
-        return x
-
-    def multiply(self, layer, prepared):
-        """The part of `apply` that reads the weight's `multiply_suffixes` params, given `prepare(x)`: its raw
-        output (a pytree of arrays). Default: `apply` itself."""
-        return self.apply(layer, prepared)
-
-    def finish(self, layer, raw, prepared) -> jax.Array:
-        """[M, out_local] from `multiply`'s raw output, reading x only through `prepared` and no param of
-        `multiply_suffixes`. Default: the raw output."""
-        return raw
-
     def embed(self, layer, ids: jax.Array) -> jax.Array:
         raise NotImplementedError
+
+    def apply_f32(self, layer, x: jax.Array) -> jax.Array:
+        """`apply(layer, x)` as float32 (an MoE router's logits)."""
+        return self.apply(layer, x).astype(jnp.float32)
+
+    def initializer(self, init):
+        """The initializer of the params it creates on a built layer: None (zeros: they are only ever loaded)."""
+        return None
 
     @property
     def label(self) -> str:
@@ -169,10 +165,95 @@ class LinearMethod:
         return f"quantization method {self.label!r}"
 
 
+class SplitGemm(abc.ABC):
+    """`apply` in three parts, for the switched layer loop (layers/switched.py `SlotSwitch`), whose GEMM keeps
+    only the part that reads the weight in its per-slot branches: `prepare(x)` reads x [M, in] alone (int8
+    activations' digits) and runs once before them, `multiply(layer, prepared)` reads the params
+    `multiply_suffixes` names (the big ones) and is each branch, `finish(layer, raw, prepared)` turns its raw
+    output into [M, out_local] with the other params (per-channel scales: small, stacked over the slots) and
+    runs once after them. `finish(layer, multiply(layer, p), p)` with `p = prepare(x)` is `apply(layer, x)` bit
+    for bit. A method that is none runs whole in each branch (`gemm_parts`)."""
+
+    @property
+    @abc.abstractmethod
+    def multiply_suffixes(self) -> tuple[str, ...]:
+        """The params (`suffixes`) `multiply` reads; `finish` may read the others."""
+
+    @abc.abstractmethod
+    def prepare(self, x: jax.Array):
+        """The part of `apply` that reads x [M, in] alone (an activation quantization), as a pytree of arrays."""
+
+    @abc.abstractmethod
+    def multiply(self, layer, prepared):
+        """The part of `apply` that reads the weight's `multiply_suffixes` params, given `prepare(x)`: its raw
+        output (a pytree of arrays)."""
+
+    @abc.abstractmethod
+    def finish(self, layer, raw, prepared) -> jax.Array:
+        """[M, out_local] from `multiply`'s raw output, reading x only through `prepared` and no param of
+        `multiply_suffixes`."""
+
+
 @dataclasses.dataclass(frozen=True)
-class Unquantized(LinearMethod):
-    """The float weight as the layer declares it: one param, `local_matmul` / `jnp.take` (today's code)."""
+class WholeGemm(SplitGemm):
+    """A method that is no `SplitGemm` in three parts: nothing before, its whole `apply` (every param), nothing
+    after."""
+    method: LinearMethod
+
+    @property
+    def multiply_suffixes(self) -> tuple[str, ...]:
+        return self.method.suffixes
+
+    def prepare(self, x):
+        return x
+
+    def multiply(self, layer, prepared):
+        return self.method.apply(layer, prepared)
+
+    def finish(self, layer, raw, prepared):
+        return raw
+
+
+def gemm_parts(method: LinearMethod) -> SplitGemm:
+    """`method`'s GEMM in three parts: the method itself when it is a `SplitGemm`, else `WholeGemm(method)`."""
+    return method if isinstance(method, SplitGemm) else WholeGemm(method)
+
+
+class ExpertMethod(abc.ABC):
+    """What stacked MoE experts (`Experts`, kind EXPERTS; layers/moe.py) call of their method (vLLM's
+    `FusedMoEMethodBase`). Each of the experts' float kernels `name` ("gate_up", "down"; `[S, in, out]`,
+    S expert slots) is held as the params `expert_params` derives from its statement; the experts' GEMMs are
+    weight-only: `expert_kernel` gives the kernel in the model's dtype and `expert_scaled` applies what the
+    method factored out of it (per-output-row scales) to a product."""
+
+    @abc.abstractmethod
+    def expert_params(self, weight, name: str, shape: tuple[int, ...], dtype) -> dict[str, WeightParam]:
+        """{suffix: WeightParam} for the float statement `weight` (an `ExpertParam`) of a global kernel `shape`
+        and `dtype` (the model's)."""
+
+    @abc.abstractmethod
+    def expert_kernel(self, layer, name: str, slot: jax.Array | None, dtype) -> jax.Array:
+        """[E?, in, out] in `dtype`: the local experts `slot` (None: all) of kernel `name`, before `expert_scaled`."""
+
+    @abc.abstractmethod
+    def expert_scaled(self, layer, y: jax.Array, name: str, slot: jax.Array | None) -> jax.Array:
+        """y [..., out], a product with `expert_kernel(layer, name, slot)` (slot given: one row per slot; else
+        [E_local, M, out]), times what the method factored out of kernel `name` (y itself when nothing)."""
+
+
+def stacked_kernel(layer, name: str, slot: jax.Array | None, dtype) -> jax.Array:
+    """The experts' param `name` as held (its experts `slot`, or all), cast to `dtype`."""
+    w = getattr(layer, name)[...]
+    return (w if slot is None else w[slot]).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unquantized(LinearMethod, ExpertMethod):
+    """The float weight as the layer declares it: one param, `local_matmul` / `jnp.take` (today's code);
+    stacked experts' float kernels as they are."""
     name: ClassVar[str] = "none"
+    kinds: ClassVar[tuple[str, ...]] = (LINEAR, EMBEDDING, EXPERTS)
+    float_weight: ClassVar[bool] = True
 
     @property
     def suffixes(self) -> tuple[str, ...]:
@@ -191,12 +272,28 @@ class Unquantized(LinearMethod):
     def embed(self, layer, ids):
         return jnp.take(layer.weight(), ids, axis=0)
 
+    def apply_f32(self, layer, x):
+        """x @ W accumulated in float32 by the dot itself (an MoE router's logits; batch-invariant: invariant.py)."""
+        return row_tiled(lambda rows: jnp.dot(rows, layer.weight(), preferred_element_type=jnp.float32), x)
+
+    def initializer(self, init):
+        return init
+
+    def expert_params(self, weight, name, shape, dtype):
+        return {"": WeightParam(weight, tuple(shape), dtype)}
+
+    def expert_kernel(self, layer, name, slot, dtype):
+        return stacked_kernel(layer, name, slot, dtype)
+
+    def expert_scaled(self, layer, y, name, slot):
+        return y
+
 
 UNQUANTIZED = Unquantized()
 
 
 @dataclasses.dataclass(frozen=True)
-class Bfloat16(LinearMethod):
+class Bfloat16(LinearMethod, SplitGemm):
     """The float weight held in bfloat16; each dot rounds x to bf16 and accumulates in float32.
 
     A bf16 checkpoint's weights are kept exactly (half the bytes of float32); the activations
@@ -216,9 +313,19 @@ class Bfloat16(LinearMethod):
         w = layer.weight()                                      # bf16: kernel [in, out] or table [out, in]
         return fast_dot(x, w, "md,df->mf" if layer.weight_transposed else "md,fd->mf")
 
+    @property
+    def multiply_suffixes(self) -> tuple[str, ...]:
+        return self.suffixes
+
     def prepare(self, x):
         """x rounded to bf16 (`fast_dot` would round it in `apply`): once per switched GEMM."""
         return x.astype(jnp.bfloat16)
+
+    def multiply(self, layer, prepared):
+        return self.apply(layer, prepared)
+
+    def finish(self, layer, raw, prepared):
+        return raw
 
     def embed(self, layer, ids):
         return jnp.take(layer.weight(), ids, axis=0).astype(layer.param_dtype)

@@ -57,7 +57,7 @@ from tp_jax.parallel.invariant import row_softmax, row_sum, row_tiled
 from tp_jax.parallel.layers.base import ParallelModule, check_tp_size, default_kernel_init
 from tp_jax.parallel.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tp_jax.parallel.layers.loading import ExpertParam, PartRows, ShardedParam, contiguous_rows
-from tp_jax.parallel.layers.method import EXPERTS, UNQUANTIZED, LinearMethod, Unquantized, UnsupportedLayerError
+from tp_jax.parallel.layers.method import EXPERTS, UNQUANTIZED, ExpertMethod, LinearMethod, UnsupportedLayerError
 from tp_jax.parallel.mesh import DP, TP
 
 DISPATCHES = ("auto", "gather", "ragged", "dense")
@@ -110,10 +110,11 @@ class Experts(ParallelModule):
     Checkpoint parts per expert e: "gate.e", "up.e" `[F, D]` (interleaved: one "gate_up.e" `[2F, D]`) and
     "down.e" `[D, F]` (torch layout); biases: "gate.e", "up.e" `[F]` (interleaved: "gate_up.e" `[2F]`) and
     "down.e" `[D]`.
-    `method`: `Unquantized` (the float kernels) or, after `use_method(Int8())`, int8 kernels of the same
-    shapes with per-expert output-channel scales `gate_up_scale[E_slots, 2F_local]`, `down_scale[E_slots, D]`
-    (layers/int8.py); the loader picks it like a linear layer's (kind EXPERTS). Biases stay float under any
-    method (added after the scaled dot).
+    `method`: an `ExpertMethod` (layers/method.py): `Unquantized` (the float kernels) or, after
+    `use_method(Int8())`, int8 kernels of the same shapes with per-expert output-channel scales
+    `gate_up_scale[E_slots, 2F_local]`, `down_scale[E_slots, D]` (layers/int8.py), or packed ones
+    (`PackedExperts`, layers/packed.py); the loader picks it like a linear layer's (kind EXPERTS). Biases stay
+    float under any method (added after the scaled dot).
     """
     weight_name, weight_kind = "gate_up", EXPERTS
 
@@ -156,27 +157,25 @@ class Experts(ParallelModule):
     def loading(self) -> dict[str, ShardedParam]:
         """The float statements, or, under a method (int8), the params it derives from them (values, scales);
         the biases' statements (float under any method)."""
-        decl = self.statements()
-        if not isinstance(self.method, Unquantized):
-            decl = {name + suffix: p.decl for name, d in decl.items()
-                    for suffix, p in self.method.expert_params(d, name, self._global_shape(name)).items()}
+        decl = {name + suffix: p.decl for name, d in self.statements().items()
+                for suffix, p in self.method.expert_params(d, name, self._global_shape(name), self.param_dtype).items()}
         return {**decl, **self.bias_statements()}
 
     def use_method(self, method: LinearMethod) -> None:
         """Re-create the experts' params for `method` (int8) on a built (abstract) model, as
         `MethodLayer.use_method` does: leading axes a `Stack` added are kept; the new params hold zeros."""
         decl = self.statements()
+        if not isinstance(method, ExpertMethod):
+            raise UnsupportedLayerError(f"{method.describe()} cannot hold stacked experts: it is no ExpertMethod "
+                                        f"(tp_jax/parallel/layers/method.py); leave the experts float")
         method.check(self, decl[self.weight_name])
-        if not hasattr(method, "expert_params"):
-            raise UnsupportedLayerError(f"{method.describe()} cannot hold stacked experts; leave them float")
         for name, d in decl.items():
             first = getattr(self, name)
             lead = first[...].ndim - 3
             lead_shape, lead_spec = tuple(first[...].shape[:lead]), tuple(first.get_metadata()["out_sharding"][:lead])
-            for suffix in ("", *self.method.suffixes, "_scale"):
-                if hasattr(self, name + suffix):
-                    delattr(self, name + suffix)
-            for suffix, p in method.expert_params(d, name, self._global_shape(name)).items():
+            for suffix in self.method.expert_params(d, name, self._global_shape(name), self.param_dtype):
+                delattr(self, name + suffix)
+            for suffix, p in method.expert_params(d, name, self._global_shape(name), self.param_dtype).items():
                 setattr(self, name + suffix, nnx.Param(jnp.zeros(lead_shape + p.shape, p.dtype),
                                                        out_sharding=lead_spec + p.decl.spec()))
         self.method = method
@@ -262,19 +261,12 @@ class Experts(ParallelModule):
         return ((u + 1.0) * (g * jax.nn.sigmoid(self.swiglu_alpha * g))).astype(self.param_dtype)
 
     def _kernel(self, name: str, slot: jax.Array | None = None) -> jax.Array:
-        """This rank's stacked kernel `name` (its experts `slot`, or all), in the model's dtype (int8 cast)."""
-        if hasattr(self.method, "expert_kernel"):                           # packed: dequantized (layers/packed.py)
-            return self.method.expert_kernel(self, name, slot, self.param_dtype)
-        w = getattr(self, name)[...]
-        return (w if slot is None else w[slot]).astype(self.param_dtype)
+        """This rank's stacked kernel `name` (its experts `slot`, or all), in the model's dtype (the method's)."""
+        return self.method.expert_kernel(self, name, slot, self.param_dtype)
 
     def _scaled(self, y: jax.Array, name: str, slot: jax.Array | None = None) -> jax.Array:
-        """y [..., out] (slot given: one row per slot) times the per-expert output-channel scales of an int8
-        kernel (exact for per-output-channel scales); unchanged for a float one."""
-        if isinstance(self.method, Unquantized) or hasattr(self.method, "expert_kernel"):
-            return y
-        s = getattr(self, name + "_scale")[...]                                  # [E_local, out]
-        return y * (s[slot] if slot is not None else s[:, None, :])
+        """y [..., out] (slot given: one row per slot) times what the method factored out of kernel `name`."""
+        return self.method.expert_scaled(self, y, name, slot)
 
     def _biased(self, y: jax.Array, name: str, slot: jax.Array | None = None) -> jax.Array:
         """y [..., out] (slot given: one row per slot; else [E_local, M, out]) plus kernel `name`'s bias, if any.
@@ -436,11 +428,7 @@ class FusedMoE(ParallelModule):
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x[M, D] -> (experts[M, k] int32, weights[M, k] float32): scores of float32 logits, (grouped) top-k."""
-        if isinstance(self.gate.method, Unquantized):                           # batch-invariant (invariant.py)
-            logits = row_tiled(lambda rows: jnp.dot(rows, self.gate.kernel[...], preferred_element_type=jnp.float32),
-                               x)
-        else:
-            logits = self.gate.method.apply(self.gate, x).astype(jnp.float32)
+        logits = self.gate.method.apply_f32(self.gate, x)                      # batch-invariant (invariant.py)
         if self.gate.bias is not None:
             logits = logits + self.gate.bias[...].astype(jnp.float32)
         scores = row_softmax(logits) if self.scoring == "softmax" else jax.nn.sigmoid(logits)

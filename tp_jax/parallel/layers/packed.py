@@ -45,7 +45,7 @@ import jax
 
 from tp_jax.parallel.layers.loading import ExpertParam, ShardedParam, check_shape
 from tp_jax.parallel.invariant import row_tiled
-from tp_jax.parallel.layers.method import (EXPERTS, LINEAR, DerivedParam, LinearMethod, QuantizationError,
+from tp_jax.parallel.layers.method import (EXPERTS, LINEAR, DerivedParam, ExpertMethod, LinearMethod, QuantizationError,
                                            UnsupportedLayerError, WeightParam, describe_layer, map_tiles, num_tiles,
                                            out_in, tiled_matmul)
 from tp_jax.parallel.mesh import TP
@@ -170,7 +170,7 @@ class PackedWeight(LinearMethod):
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedExperts(LinearMethod):
+class PackedExperts(LinearMethod, ExpertMethod):
     """Stacked MoE experts (`Experts`: gate_up, down) held as `PackedWeight`s, one per param (`methods`: name ->
     its 2-D method), each expert's params stacked `[E_slots, ...]` and split like the float experts (each
     expert's rows or columns over tp; whole experts over dp x tp under EP). The expert GEMMs read their
@@ -191,7 +191,7 @@ class PackedExperts(LinearMethod):
     def label(self) -> str:
         return self.methods[0][1].label
 
-    def expert_params(self, weight: ExpertParam, name: str, shape: tuple[int, ...]) -> dict[str, WeightParam]:
+    def expert_params(self, weight: ExpertParam, name: str, shape: tuple[int, ...], dtype) -> dict[str, WeightParam]:
         """The stacked params of the float statement `weight` (kernels [S, in, out]): each of the 2-D method's
         params per expert, stacked."""
         one = weight._expert()
@@ -215,6 +215,9 @@ class PackedExperts(LinearMethod):
         else:
             w = jax.vmap(lambda *a: method.dequantize(*a[:-1], group=a[-1][0]))(*flat, group.reshape(-1, 1, group.shape[-1]))
         return jnp.swapaxes(w.reshape(*lead, *w.shape[-2:]), -1, -2).astype(dtype)
+
+    def expert_scaled(self, layer, y, name, slot):
+        return y                                   # the scales are inside `expert_kernel`'s dequantized weights
 
 
 def e4m3_to_float32(u: jax.Array) -> jax.Array:

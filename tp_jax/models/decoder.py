@@ -193,8 +193,16 @@ class DenseMLP(nnx.Module):
         return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
-# config `feed_forward` -> make(cfg, tp, dtype, rngs), a module called as mlp(x[B, T, D]) -> [B, T, D].
-FEED_FORWARDS: dict[str, Callable[[DecoderConfig, int, object, nnx.Rngs], nnx.Module]] = {"dense": DenseMLP}
+# config `feed_forward` -> make(cfg, tp, dtype, rngs), a module called as mlp(x[B, T, D]) -> [B, T, D]; listed here,
+# each named where it lives ("module:function", imported when first built: moe.py imports this module)
+FEED_FORWARDS: dict[str, str] = {"dense": "tp_jax.models.decoder:DenseMLP", "moe": "tp_jax.models.moe:make_moe"}
+
+
+def feed_forward_maker(kind: str) -> Callable[[DecoderConfig, int, object, nnx.Rngs], nnx.Module]:
+    """The make(cfg, tp, dtype, rngs) `FEED_FORWARDS` names for `kind`."""
+    import importlib
+    module, name = FEED_FORWARDS[kind].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class DecoderLayer(nnx.Module):
@@ -245,4 +253,4 @@ class DecoderParts:
 
     def feed_forward(self, kind: str) -> Callable:
         """make(cfg, tp, dtype, rngs) of the feed-forward kind `kind` (a `FEED_FORWARDS` name)."""
-        return self.dense if kind == "dense" else FEED_FORWARDS[kind]
+        return self.dense if kind == "dense" else feed_forward_maker(kind)

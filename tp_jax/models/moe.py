@@ -25,7 +25,7 @@ import dataclasses
 from flax import nnx
 
 from tp_jax.models.config import REQUIRED, UnsupportedConfigError
-from tp_jax.models.decoder import FEED_FORWARDS, DecoderConfig
+from tp_jax.models.decoder import DecoderConfig
 from tp_jax.models.llama import llama_weights
 from tp_jax.parallel.layers import Entry, WeightTable
 from tp_jax.parallel.layers.moe import ACTIVATIONS, DISPATCHES, SCORINGS, FusedMoE, routing_problem
@@ -109,8 +109,6 @@ def make_moe(cfg: MoEConfig, tp: int, dtype, rngs: nnx.Rngs) -> FusedMoE:
                     tp_size=tp, dp_size=cfg.data_parallel_size, expert_parallel=cfg.enable_expert_parallel,
                     dispatch=cfg.moe_dispatch, dtype=dtype, rngs=rngs)
 
-
-FEED_FORWARDS["moe"] = make_moe
 
 # Read by transformers only for the training loss or in training mode: accepted, never used.
 TRAINING_ONLY_MOE = {"output_router_logits": False, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}

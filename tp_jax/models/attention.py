@@ -92,19 +92,26 @@ def _head_sinks(sinks: jax.Array, hkv: int) -> jax.Array:
     return sinks.astype(jnp.float32).reshape(hkv, -1)
 
 
-def write_pool(pool: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
-    """pool[L, H, NB, bs, hd] with new[N, H, hd] written at layer `layer`, flat slots[N] (< 0: skipped)."""
+STORED = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}   # a uint8 pool's formats
+
+
+def write_pool(pool: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array, stored: str | None = None):
+    """pool[L, H, NB, bs, hd] with new[N, H, hd] written at layer `layer`, flat slots[N] (< 0: skipped). `stored`: the
+    float8 format whose bits the uint8 pool holds (scale 1.0, saturating as vLLM's cast does)."""
     num_blocks, block_size = pool.shape[2], pool.shape[3]
     slots = jnp.where(slots < 0, num_blocks * block_size, slots)               # out of range: dropped
-    if jnp.issubdtype(pool.dtype, jnp.floating) and jnp.finfo(pool.dtype).bits == 8:     # an fp8 cache (scale 1.0):
-        big = float(jnp.finfo(pool.dtype).max)                                 # saturate, as vLLM's cast does
-        new = jnp.clip(new, -big, big)
-    return pool.at[layer, :, slots // block_size, slots % block_size].set(new.astype(pool.dtype), mode="drop")
+    if stored is None:
+        new = new.astype(pool.dtype)
+    else:
+        big = float(jnp.finfo(STORED[stored]).max)
+        new = jax.lax.bitcast_convert_type(jnp.clip(new, -big, big).astype(STORED[stored]), jnp.uint8)
+    return pool.at[layer, :, slots // block_size, slots % block_size].set(new, mode="drop")
 
 
-def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array, dtype=None) -> jax.Array:
+def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array, dtype=None, stored: str | None = None):
     """The context of each row, head-major: pool[layer, :, tables[R, W]] -> [R, H, W * bs, hd], in `dtype` (a
-    quantized cache read back into the activations' dtype; a pool already in it: no conversion).
+    float8 cache, its bits in a uint8 pool (`stored`), read back into the activations' dtype; a pool already in it:
+    no conversion).
 
     One gather of whole blocks, each a contiguous [bs, hd] tile: rows of the pool seen as
     [L * H * NB, bs * hd] (a free reshape), which XLA's CPU gather copies about twice as fast as
@@ -115,11 +122,13 @@ def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array, dtype=None
     index = (layer * h + jnp.arange(h)[None, :, None]) * num_blocks + tables[:, None, :]        # [R, H, W]
     rows = jnp.take(tiles, index, axis=0, mode="clip")                         # block ids are in range
     rows = rows.reshape(tables.shape[0], h, tables.shape[1] * bs, hd)
+    if stored is not None:
+        rows = jax.lax.bitcast_convert_type(rows, STORED[stored])
     return rows if dtype is None or rows.dtype == dtype else rows.astype(dtype)
 
 
 def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
-                 batch, scale: float, window, dot_dtype=None, softcap: float | None = None,
+                 batch, scale: float, window, dot_dtype=None, softcap: float | None = None, stored=None,
                  sinks: jax.Array | None = None, v_dim: int | None = None) -> jax.Array:
     """The D decode rows' attention -> [D, Hq * hd], split-K over the batch's chunks (flash-decoding).
 
@@ -136,8 +145,8 @@ def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
     hq, hd = q.shape[1:]
     hkv = k_pool.shape[1]
     row = batch.chunk_row
-    k = gather_rows(k_pool, layer, batch.chunk_tables, q.dtype)                 # [Rv, Hkv, S, hd]
-    v = k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, batch.chunk_tables, q.dtype)
+    k = gather_rows(k_pool, layer, batch.chunk_tables, q.dtype, stored)         # [Rv, Hkv, S, hd]
+    v = k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, batch.chunk_tables, q.dtype, stored)
     q_rows = jnp.take(q[:d], row, axis=0, mode="fill", fill_value=0).reshape(rv, hkv, hq // hkv, hd)
     q_pos = jnp.take(positions[:d], row, axis=0, mode="fill", fill_value=-1)    # padding sees no key
     k_pos = batch.chunk_start[:, None] + jnp.arange(k.shape[2])                 # [Rv, S]
@@ -222,16 +231,17 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
 
 def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
                     batch, scale: float, window, softcap: float | None = None, sinks: jax.Array | None = None,
-                    v_dim: int | None = None) -> jax.Array:
+                    v_dim: int | None = None, stored: str | None = None) -> jax.Array:
     """q[N, Hq, hd] (decode rows first, then packed prefill tokens) over the pool -> [N, Hq * hd], float32.
 
     `batch`: one micro-batch's PagedBatch (tp_jax/models/cache.py); prefill_index[P, T] the flat token of each
     prefill row slot (N for padding). Every row reads its whole block table, attended in fixed-size key
     chunks (`chunked_attention`): a row's numbers never depend on the rest of the step. `sinks[Hq]`: gpt-oss's
-    per-head sink logits; `v_dim`: the values are the keys' first v_dim channels (MLA's latent pool, v_pool unread).
+    per-head sink logits; `v_dim`: the values are the keys' first v_dim channels (MLA's latent pool, v_pool unread);
+    `stored`: the float8 format a uint8 pool holds (`kv_cache_dtype`).
     """
     return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
-                  functools.partial(_chunked, softcap=softcap, sinks=sinks), v_dim=v_dim)
+                  functools.partial(_chunked, softcap=softcap, sinks=sinks), v_dim=v_dim, stored=stored)
 
 
 def _chunked(q, k, v, q_pos, k_pos, scale, window, softcap=None, sinks=None):
@@ -239,14 +249,15 @@ def _chunked(q, k, v, q_pos, k_pos, scale, window, softcap=None, sinks=None):
     return chunked_attention(q, k, v, q_pos, scale, window, softcap=softcap, sinks=sinks)
 
 
-def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn, decode_fn=None, v_dim=None):
+def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn, decode_fn=None, v_dim=None,
+           stored=None):
     d, p = batch.decode_tables.shape[0], batch.prefill_tables.shape[0]
     n, hq, hd = q.shape
     hv = hd if v_dim is None else v_dim
 
     def gather(tables):
-        k = gather_rows(k_pool, layer, tables, q.dtype)
-        return k, (k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, tables, q.dtype))
+        k = gather_rows(k_pool, layer, tables, q.dtype, stored)
+        return k, (k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, tables, q.dtype, stored))
 
     out = jnp.zeros((n, hq * hv), q.dtype)
     if d and decode_fn is not None and batch.chunk_tables.shape[0]:          # no chunks: short tables, full width
@@ -264,7 +275,8 @@ def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn,
     return out
 
 
-def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=None, sinks=None, v_dim=None):
+def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=None, sinks=None, v_dim=None,
+               stored=None):
     """`paged_reference` with the decode rows split-K (`split_decode`) and both dots' operands in bfloat16,
     float32 accumulation: on a CPU with AMX XLA's batched bf16 dots run faster than its float32 ones
     (docs/performance.md)."""
@@ -272,7 +284,7 @@ def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window, softca
                   functools.partial(attention, heads_first=True, dot_dtype=jnp.bfloat16, softcap=softcap,
                                     sinks=sinks),
                   functools.partial(split_decode, dot_dtype=jnp.bfloat16, softcap=softcap, sinks=sinks,
-                                    v_dim=v_dim), v_dim=v_dim)
+                                    v_dim=v_dim, stored=stored), v_dim=v_dim, stored=stored)
 
 
 PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "bf16": paged_bf16}
@@ -296,11 +308,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array | None, positions: jax.Array
     impl = PAGED_BACKENDS[cache.backend]
     batch = cache.batch
     k_pool, v_pool, outs = cache.k, cache.v, []
-    extra = {name: value for name, value in (("softcap", softcap), ("sinks", sinks), ("v_dim", v_dim))
-             if value is not None}
+    extra = {name: value for name, value in (("softcap", softcap), ("sinks", sinks), ("v_dim", v_dim),
+                                             ("stored", cache.stored)) if value is not None}
     for b in range(q.shape[0]):                    # B is 1 inside the pipeline (one micro-batch)
-        k_pool = write_pool(k_pool, cache.layer, batch.slots[b], k[b])
+        k_pool = write_pool(k_pool, cache.layer, batch.slots[b], k[b], cache.stored)
         if v_dim is None:
-            v_pool = write_pool(v_pool, cache.layer, batch.slots[b], v[b])
+            v_pool = write_pool(v_pool, cache.layer, batch.slots[b], v[b], cache.stored)
         outs.append(impl(q[b], k_pool, v_pool, cache.layer, positions[b], batch.row(b), scale, window, **extra))
     return jnp.stack(outs), cache.replace(k=k_pool, v=v_pool)

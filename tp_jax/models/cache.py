@@ -95,21 +95,25 @@ class PagedBatch:
         return self.replace(slots=jnp.where(valid, self.slots, -1))
 
 
-@_pytree(("k", "v", "batch"), ("backend",))
+@_pytree(("k", "v", "batch"), ("backend", "stored"))
 class KVCache:
+    """The paged pool of a step. `stored`: None (k and v hold the activations' dtype), or the float8 format whose bits
+    uint8 pools hold (`kv_cache_dtype`: XLA:CPU writes a float8 array by copying it whole; a uint8 one in place)."""
     k: jax.Array
     v: jax.Array
     batch: PagedBatch
     backend: str = "reference"
+    stored: str | None = None
 
 
-@_pytree(("k", "v", "layer", "batch"), ("backend",))
+@_pytree(("k", "v", "layer", "batch"), ("backend", "stored"))
 class LayerCache:
     k: jax.Array
     v: jax.Array
     layer: jax.Array
     batch: PagedBatch
     backend: str = "reference"
+    stored: str | None = None
 
 
 def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache | None = None,
@@ -124,6 +128,7 @@ def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache 
     rows = (positions, None if cache is None else cache.batch, None if lora is None else lora.slots)
     pools = None if cache is None else (cache.k, cache.v)
     backend = "reference" if cache is None else cache.backend
+    stored = None if cache is None else cache.stored
 
     def stage(h, rows, pools, valid):
         pos, batch, slots = rows
@@ -137,7 +142,7 @@ def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache 
                 layer = lora.view(layer, index, slots)
             if pools is None:
                 return layer(h, pos, None, *more)[0], None
-            h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend), *more)
+            h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend, stored), *more)
             return h, (lc.k, lc.v)
 
         return stack(layer_step, h, pools)

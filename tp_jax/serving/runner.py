@@ -32,7 +32,7 @@ from tp_jax.parallel.layers.lora import LoRAStep
 from tp_jax.parallel.mesh import DP
 from tp_jax.serving import prompt_logprobs, sampling
 from tp_jax.serving.batch import StepShape, unpack
-from tp_jax.serving.kv_pool import POOL_SPEC, PoolShape, new_pool
+from tp_jax.serving.kv_pool import POOL_SPEC, PoolShape, new_pool, stored_format
 from tp_jax.serving.penalties import Penalties, add_sampled
 from tp_jax.serving.plan import StepPlan
 from tp_jax.serving.sampling import SamplingTensors
@@ -49,13 +49,14 @@ class ModelRunner:
         specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, P))
         self.weights, treedef = jax.tree.flatten(state)     # flat: an nnx State costs ms to flatten per call
         self.k, self.v = new_pool(pool, mesh)
+        stored = stored_format(pool.layout)          # a float8 KV cache: its bits in uint8 pools
         self.compiled_shapes: set[StepShape] = set()
 
         def forward(weights, packed, k, v, adapters, *prompt, shape, prompt_k):
             a = unpack(packed, shape)
             m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
             paged = PagedBatch(*(a[k] for k in PagedBatch.FIELDS))
-            cache = KVCache(k, v, paged, attention_backend)
+            cache = KVCache(k, v, paged, attention_backend, stored)
             step = {"lora": LoRAStep(*adapters, lora.parts())} if adapters else {}     # LoRA engines only
             h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches, **step)
             last = jnp.take_along_axis(h, a["logits_index"][..., None], axis=1)     # [M, R, D]

@@ -10,6 +10,8 @@ from tests.test_smollm2 import GREEDY_PROMPTS, TEXT
 from tp_jax import LLM, SamplingParams
 
 KV_BYTES = 64 * 2**20
+# the user's LLVM level: batch invariance holds there (docs/running.md), and decoding 3 x 64 tokens x 3 caches runs faster
+pytestmark = [pytest.mark.slow, pytest.mark.default_compile]
 
 
 def cache_perplexity(llm, ids: list[int]) -> float:
@@ -32,16 +34,16 @@ def test_fp8_holds_a_quarter_of_the_bytes_and_keeps_perplexity_within_1_percent(
     ppl = {name: cache_perplexity(llm, ids) for name, llm in engines.items()}
     per_token = {name: llm.engine.core.pool.layout.bytes_per_token() for name, llm in engines.items()}
     blocks = {name: llm.engine.core.pool.num_blocks for name, llm in engines.items()}
-    greedy = {name: [o.outputs[0].token_ids for o in llm.generate(
-        GREEDY_PROMPTS, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))] for name, llm in engines.items()}
-    agree = {name: agreement(greedy["auto"], greedy[name]) for name in ("fp8", "fp8_e5m2")}
+    greedy = {name: [o.outputs[0].token_ids for o in engines[name].generate(
+        GREEDY_PROMPTS, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))] for name in ("auto", "fp8")}
+    agree = {"fp8": agreement(greedy["auto"], greedy["fp8"])}               # e5m2 measured 0.32 (docs/serving.md)
     print(f"SmolLM2 through the KV cache: perplexity {ppl}, KV bytes per token {per_token}, blocks in "
           f"{KV_BYTES >> 20} MiB {blocks}, greedy agreement with auto over 64 tokens {agree}")
     assert per_token["fp8"] * 4 == per_token["auto"] == per_token["fp8_e5m2"] * 4       # float32 -> float8
     assert blocks["fp8"] >= 4 * blocks["auto"] - 4
     assert abs(ppl["fp8"] / ppl["auto"] - 1) < 0.01, ppl
     assert abs(ppl["fp8_e5m2"] / ppl["auto"] - 1) < 0.05, ppl          # e5m2: two mantissa bits (measured +4.3%)
-    assert agree["fp8"] > 0.5
+    assert agree["fp8"] > 0.5                                           # measured 0.59
 
 
 def test_fp8_is_batch_invariant(engines):

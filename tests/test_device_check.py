@@ -87,3 +87,18 @@ def test_a_failed_check_is_recorded_and_the_others_still_run(tmp_path, monkeypat
 def test_wheels_without_any_wheel_are_refused(tmp_path):
     r = run("--platform", "cpu", "--wheels", str(tmp_path), "--out", str(tmp_path / "c.json"), timeout=120)
     assert r.returncode == 2 and "no .whl files there" in r.stderr and "offline_wheels.py" in r.stderr
+
+
+def test_a_jax_outside_pyprojects_range_is_named(monkeypatch):
+    """preflight reads jax's range from pyproject.toml and refuses a jax outside it, naming both (exit 2)."""
+    import types
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    dc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dc)
+    assert dc.jax_range().startswith(">=")
+    import jax
+    import jaxlib
+    monkeypatch.setattr(jax, "__version__", "0.4.1")
+    monkeypatch.setattr(jaxlib, "__version__", "0.4.1")
+    with pytest.raises(dc.PreflightError, match=rf"wrong jax: 0\.4\.1 is outside tp_jax's range jax{re.escape(dc.jax_range())}"):
+        dc.preflight(types.SimpleNamespace(platform="cpu"))

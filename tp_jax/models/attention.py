@@ -92,10 +92,7 @@ def _head_sinks(sinks: jax.Array, hkv: int) -> jax.Array:
     return sinks.astype(jnp.float32).reshape(hkv, -1)
 
 
-STORED = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}   # a uint8 pool's formats
-
-
-def write_pool(pool: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array, stored: str | None = None):
+def write_pool(pool: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array, stored=None):
     """pool[L, H, NB, bs, hd] with new[N, H, hd] written at layer `layer`, flat slots[N] (< 0: skipped). `stored`: the
     float8 format whose bits the uint8 pool holds (scale 1.0, saturating as vLLM's cast does)."""
     num_blocks, block_size = pool.shape[2], pool.shape[3]
@@ -103,12 +100,12 @@ def write_pool(pool: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Arr
     if stored is None:
         new = new.astype(pool.dtype)
     else:
-        big = float(jnp.finfo(STORED[stored]).max)
-        new = jax.lax.bitcast_convert_type(jnp.clip(new, -big, big).astype(STORED[stored]), jnp.uint8)
+        big = float(jnp.finfo(stored).max)
+        new = jax.lax.bitcast_convert_type(jnp.clip(new, -big, big).astype(stored), jnp.uint8)
     return pool.at[layer, :, slots // block_size, slots % block_size].set(new, mode="drop")
 
 
-def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array, dtype=None, stored: str | None = None):
+def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array, dtype=None, stored=None):
     """The context of each row, head-major: pool[layer, :, tables[R, W]] -> [R, H, W * bs, hd], in `dtype` (a
     float8 cache, its bits in a uint8 pool (`stored`), read back into the activations' dtype; a pool already in it:
     no conversion).
@@ -123,7 +120,7 @@ def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array, dtype=None
     rows = jnp.take(tiles, index, axis=0, mode="clip")                         # block ids are in range
     rows = rows.reshape(tables.shape[0], h, tables.shape[1] * bs, hd)
     if stored is not None:
-        rows = jax.lax.bitcast_convert_type(rows, STORED[stored])
+        rows = jax.lax.bitcast_convert_type(rows, stored)
     return rows if dtype is None or rows.dtype == dtype else rows.astype(dtype)
 
 
@@ -231,14 +228,14 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
 
 def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
                     batch, scale: float, window, softcap: float | None = None, sinks: jax.Array | None = None,
-                    v_dim: int | None = None, stored: str | None = None) -> jax.Array:
+                    v_dim: int | None = None, stored=None) -> jax.Array:
     """q[N, Hq, hd] (decode rows first, then packed prefill tokens) over the pool -> [N, Hq * hd], float32.
 
     `batch`: one micro-batch's PagedBatch (tp_jax/models/cache.py); prefill_index[P, T] the flat token of each
     prefill row slot (N for padding). Every row reads its whole block table, attended in fixed-size key
     chunks (`chunked_attention`): a row's numbers never depend on the rest of the step. `sinks[Hq]`: gpt-oss's
     per-head sink logits; `v_dim`: the values are the keys' first v_dim channels (MLA's latent pool, v_pool unread);
-    `stored`: the float8 format a uint8 pool holds (`kv_cache_dtype`).
+    `stored`: the float8 dtype whose bits a uint8 pool holds (`kv_cache_dtype`).
     """
     return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
                   functools.partial(_chunked, softcap=softcap, sinks=sinks), v_dim=v_dim, stored=stored)

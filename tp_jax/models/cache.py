@@ -97,13 +97,13 @@ class PagedBatch:
 
 @_pytree(("k", "v", "batch"), ("backend", "stored"))
 class KVCache:
-    """The paged pool of a step. `stored`: None (k and v hold the activations' dtype), or the float8 format whose bits
+    """The paged pool of a step. `stored`: None (k and v hold the activations' dtype), or the float8 dtype whose bits
     uint8 pools hold (`kv_cache_dtype`: XLA:CPU writes a float8 array by copying it whole; a uint8 one in place)."""
     k: jax.Array
     v: jax.Array
     batch: PagedBatch
     backend: str = "reference"
-    stored: str | None = None
+    stored: np.dtype | None = None
 
 
 @_pytree(("k", "v", "layer", "batch"), ("backend", "stored"))
@@ -113,7 +113,7 @@ class LayerCache:
     layer: jax.Array
     batch: PagedBatch
     backend: str = "reference"
-    stored: str | None = None
+    stored: np.dtype | None = None
 
 
 def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache | None = None,

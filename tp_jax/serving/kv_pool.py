@@ -105,7 +105,7 @@ def _available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-KV_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}     # kv_cache_dtype -> stored dtype
+KV_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}   # vLLM's names
 
 
 def stored_layout(layout: KVLayout, kv_cache_dtype: str) -> KVLayout:
@@ -113,8 +113,7 @@ def stored_layout(layout: KVLayout, kv_cache_dtype: str) -> KVLayout:
     without checkpoint scales; the attention reads it back into the activations' dtype)."""
     if kv_cache_dtype in ("auto", None):
         return layout
-    return dataclasses.replace(layout, dtype=np.dtype(KV_DTYPES[{"fp8": "fp8_e4m3"}.get(kv_cache_dtype,
-                                                                                        kv_cache_dtype)]))
+    return dataclasses.replace(layout, dtype=np.dtype(KV_DTYPES[kv_cache_dtype]))
 
 
 def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None = None,
@@ -152,11 +151,12 @@ def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None
     return PoolShape(layout, num, block_size, mesh_shape)
 
 
-def stored_format(layout: KVLayout) -> str | None:
-    """The float8 format a pool's uint8 arrays hold (None: the pool is in its layout's dtype). XLA:CPU writes into a
-    float8 array by copying it whole (~150 ms a layer for SmolLM2's pool) and into a uint8 one in place."""
-    name = np.dtype(layout.dtype).name
-    return name if name.startswith("float8") else None
+def stored_format(layout: KVLayout) -> np.dtype | None:
+    """The float8 dtype whose bits a pool's uint8 arrays hold (None: the pool is in its layout's dtype). XLA:CPU
+    writes into a float8 array by copying it whole (~150 ms a layer for SmolLM2's pool) and into a uint8 one in
+    place."""
+    dtype = np.dtype(layout.dtype)
+    return dtype if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating) else None
 
 
 def new_pool(shape: PoolShape, mesh: Mesh) -> tuple[jax.Array, jax.Array]:

@@ -112,7 +112,8 @@ class LLM:
         self._forward = None
         self._engine = None
         self._tokenizer = None
-        self._asleep = 0                                                 # sleep level (tp_jax/serving/weights.py)
+        # tp_jax/serving/weights.py: the sleep level, the checkpoint's headers and the update's programs
+        self._asleep, self._stored_source, self._update_programs = 0, None, {}
 
     # --- the resolved configuration, read (never restated: `self.setup` is the one configuration) ----------
     @property

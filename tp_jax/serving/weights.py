@@ -203,7 +203,7 @@ def placed_weights(llm, weights, mapping=None, *, check_finite: bool = True) -> 
     from tp_jax.loaders.sources import open_checkpoint
     source = ArraySource(named_arrays(weights, mapping))
     cfg, mesh = llm.config, llm.mesh
-    if getattr(llm, "_stored_source", None) is None:                # headers only: the methods the load chose
+    if llm._stored_source is None:                                 # headers only: the methods the load chose
         llm._stored_source = open_checkpoint(llm.model_path).source
     stored = llm._stored_source
     model, _ = plan_model(cfg, stored, mesh, llm.dtype, quantization=llm.setup.quantization,
@@ -222,7 +222,7 @@ def placed_weights(llm, weights, mapping=None, *, check_finite: bool = True) -> 
     specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
     abstract = dict(nnx.to_flat_state(state))
     loaded, moved, finite = {}, {"device_bytes": 0, "host_bytes": 0, "params": len(bindings)}, []
-    programs = llm.__dict__.setdefault("_update_programs", {})     # jitted per param, reused by the next update
+    programs = llm._update_programs                                # jitted per param, reused by the next update
     for b in bindings:
         value, spec = abstract[b.key].get_value(), specs[b.key].get_value()
         sharding = NamedSharding(mesh, spec)
@@ -281,7 +281,7 @@ def update(llm, weights, mapping=None) -> dict:
     new, moved = placed_weights(llm, weights, mapping)
     jax.block_until_ready(jax.tree.leaves(nnx.state(new)))
     swap(llm, new)
-    llm._asleep = min(llm._asleep, 1)                               # weights are back after a level-2 sleep
+    _set_level(llm, min(llm._asleep, 1))                            # weights are back after a level-2 sleep
     return {**moved, "seconds": time.perf_counter() - start}
 
 
@@ -299,7 +299,7 @@ def update_from_disk(llm, path: str) -> dict:
                            quantization=llm.setup.quantization, strict=llm.setup.named("quantization"))
     use_layer_loop(new, llm.mesh, llm.setup.layer_loop)
     swap(llm, new)
-    llm._asleep = min(llm._asleep, 1)
+    _set_level(llm, min(llm._asleep, 1))
     return {"seconds": time.perf_counter() - start}
 
 
@@ -317,13 +317,12 @@ def sleep(llm, level: int) -> None:
                 x.delete()
         runner.k = runner.v = None
         llm._engine.core.reset_prefix_cache()
-        llm._engine.core.sleeping = level
     if level == 2:
         for x in jax.tree.leaves(nnx.state(llm.model)):
             if isinstance(x, jax.Array) and not x.is_deleted():
                 x.delete()
         llm._forward = None
-    llm._asleep = max(llm._asleep, level)
+    _set_level(llm, max(llm._asleep, level))
 
 
 def wake_up(llm) -> None:
@@ -335,9 +334,14 @@ def wake_up(llm) -> None:
     if llm._engine is not None and llm._engine.core.runner.k is None:
         runner = llm._engine.core.runner
         runner.k, runner.v = new_pool(runner.pool, runner.mesh)
+    _set_level(llm, 0)
+
+
+def _set_level(llm, level: int) -> None:
+    """The sleep level, said to the LLM (generate, get_logits) and its engine core (requests from the server)."""
+    llm._asleep = level
     if llm._engine is not None:
-        llm._engine.core.sleeping = 0
-    llm._asleep = 0
+        llm._engine.core.sleeping = level
 
 
 __all__ = ["ArraySource", "WeightUpdateError", "named_arrays", "placed_weights", "swap", "update",

@@ -186,6 +186,46 @@ def used_blocks_of(engine) -> int:
     return engine.core.kv_usage()[0]
 
 
+def test_abort_ends_the_stream_without_waiting_for_a_slow_step(llm):
+    """A stopping server aborts its streams; a step in progress (a compile under load) must not hold the last
+    chunk back past the grace period: the stream ends at once with its last output, finish_reason "abort"."""
+    import threading
+    import time
+    aengine, release = AsyncLLMEngine(llm.engine), threading.Event()
+    step = llm.engine.step
+
+    def slow_step():
+        outs = step()
+        if any(len(o.outputs[0].token_ids) >= 2 for o in outs):
+            release.wait(30)                                     # the engine thread is stuck inside a step
+        return outs
+
+    async def main():
+        seen, took = [], None
+        async for out in aengine.generate([4, 5, 6], SamplingParams(max_tokens=40, temperature=0.0),
+                                          request_id="stuck"):
+            seen.append(out)
+            if len(out.outputs[0].token_ids) == 2:
+                t0 = time.monotonic()
+                asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(aengine.abort("stuck")))
+        took = time.monotonic() - t0
+        release.set()
+        used = await asyncio.wrap_future(aengine.call(used_blocks_of))
+        return seen, took, used
+
+    llm.engine.step = slow_step
+    try:
+        seen, took, used = asyncio.run(main())
+    finally:
+        release.set()
+        llm.engine.step = step
+        aengine.shutdown()
+    last = seen[-1]
+    assert took < 5 and last.finished and last.outputs[0].finish_reason == "abort"
+    assert last.outputs[0].token_ids == seen[-2].outputs[0].token_ids and len(last.outputs[0].token_ids) == 2
+    assert used == 0                                              # the engine freed it after the step
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(max_num_batched_tokens=8, block_size=16), r"max_num_batched_tokens=8 is smaller than one block"),
     (dict(num_gpu_blocks=0), r"num_gpu_blocks=0 must be >= 1"),

@@ -10,6 +10,9 @@ The engine thread owns the LLMEngine: requests and aborts reach it through a que
 applied between steps, so the engine itself needs no locks. Bad input raises in `generate`
 before anything is queued. A consumer that stops iterating (a client that disconnects, a
 cancelled task) aborts its request, which frees its KV blocks at the next step boundary.
+`abort` ends the request's stream at once (its last output, finish_reason "abort"), without
+waiting for a step in progress (a compile can take seconds): a stopping server's clients get
+their last chunk within its grace period.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tp_jax.serving.outputs import RequestOutput
 from tp_jax.serving.sampling import SamplingParams
 
 _FINISHED = object()
+_ABORTED = object()                                      # put on the caller's side by `abort`
 
 
 @dataclasses.dataclass
@@ -42,7 +46,8 @@ class AsyncLLMEngine:
         """`on_step(engine, outputs)` runs on the engine thread after every step (metrics)."""
         self.engine, self.on_step = engine, on_step
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}          # the engine thread's
+        self._open: dict[str, _Stream] = {}             # the callers' side: streams still being read
         self._stopped = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tp_jax-engine", daemon=True)
@@ -61,22 +66,31 @@ class AsyncLLMEngine:
         done = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt, params, stream, s), done))
         finished = added = False
+        last = None
+        self._open[request_id] = s
         try:
             await asyncio.wrap_future(done)             # raises the engine's ValueError / TypeError
             added = True
             while True:
                 item = await s.queue.get()
+                if item is _ABORTED:
+                    if last is None:                     # nothing to end it with yet: the engine's final comes
+                        continue
+                    finished = True
+                    yield _aborted(last)
+                    return
                 if item is _FINISHED:
                     finished = True
                     return
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                finished, last = item.finished, item
                 yield item
                 if finished:
                     return
         finally:
+            self._open.pop(request_id, None)
             if not finished and added:
                 self._commands.put(("abort", request_id, None))
             elif not finished:                           # cancelled while the add was on its way
@@ -84,6 +98,10 @@ class AsyncLLMEngine:
                                        self._commands.put(("abort", request_id, None)))
 
     async def abort(self, request_id: str) -> None:
+        """End the request's stream now and free it in the engine at the next step boundary (awaited)."""
+        s = self._open.get(request_id)
+        if s is not None:
+            s.put(_ABORTED)
         done = concurrent.futures.Future()
         self._commands.put(("abort", request_id, done))
         await asyncio.wrap_future(done)
@@ -161,3 +179,9 @@ class AsyncLLMEngine:
         if done is not None:
             done.set_result(None)
         return False
+
+
+def _aborted(last: RequestOutput) -> RequestOutput:
+    """The stream's last output, ended: every sample still running gets finish_reason "abort"."""
+    outputs = [c if c.finished() else dataclasses.replace(c, finish_reason="abort") for c in last.outputs]
+    return dataclasses.replace(last, outputs=outputs, finished=True)

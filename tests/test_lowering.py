@@ -137,6 +137,7 @@ class Program:
     pool: jax.ShapeDtypeStruct   # K and V alike
     mesh: AbstractMesh
     backend: str                 # what `jax.default_backend()` answers while the program traces
+    adapters: tuple = ()         # a LoRA engine's: (the adapter slots' weights, each token's slot), abstract
 
     def shapes(self) -> dict[str, StepShape]:
         """Decode steps of 1 and 32 rows and a 128-token prefill (two 64-query chunks), as `EngineCore.warmup_shapes`
@@ -155,15 +156,17 @@ class Program:
         a Program is traced as on one backend only, so another backend's trace is never reused.)"""
         n = sum(int(np.prod(s)) for _, s in packed_layout(shape))
         packed = jax.ShapeDtypeStruct((shape.groups, n), jnp.int32, sharding=NamedSharding(self.mesh, P("dp")))
+        adapters = self.adapters and (self.adapters[0], jax.ShapeDtypeStruct((shape.groups, shape.tokens), jnp.int32,
+                                                                              sharding=packed.sharding))
         with mock.patch.object(jax, "default_backend", lambda: self.backend):
-            traced = self.forward.trace(self.weights, packed, self.pool, self.pool, shape=shape)
+            traced = self.forward.trace(self.weights, packed, self.pool, self.pool, shape=shape, adapters=adapters)
         return traced.lower(lowering_platforms=(platform,))
 
 
-def step_program(case: Case, setup, cfg, source, backend: str | None = None) -> Program:
+def step_program(case: Case, setup, cfg, source, backend: str | None = None, max_loras: int = 0) -> Program:
     """ModelRunner's forward for `case` under `setup` (its dtype, linear methods, layer loop, attention backend,
     micro-batches), built as LLM and EngineCore build it, on an AbstractMesh; the model abstract, no pool allocated.
-    It traces as on `backend` (default: the setup's platform)."""
+    It traces as on `backend` (default: the setup's platform). `max_loras`: a LoRA engine's slots (rank 8)."""
     from tp_jax.loaders.model import abstract_model
     from tp_jax.loaders.quantize import plan_methods
     from tp_jax.models.registry import architecture
@@ -185,15 +188,24 @@ def step_program(case: Case, setup, cfg, source, backend: str | None = None) -> 
     pool_shape = PoolShape(model.kv_layout(), NUM_BLOCKS, BLOCK_SIZE, (case.dp, case.pp, case.tp))
     pool = jax.ShapeDtypeStruct(pool_shape.shape, pool_shape.layout.dtype,
                                 sharding=NamedSharding(abstract, POOL_SPEC))
+    lora = None
+    if max_loras:
+        from tp_jax.serving.lora import LoRAWeights
+        lora = LoRAWeights(model, mesh, max_loras, 8)          # tiny zeros on the simulated mesh: their specs are read
     with mock.patch.object(runner, "new_pool", lambda shape, mesh: (pool, pool)):     # nothing allocated
-        r = runner.ModelRunner(model, abstract, pool_shape, setup.num_microbatches, None, setup.attention_backend)
+        r = runner.ModelRunner(model, abstract, pool_shape, setup.num_microbatches, None, setup.attention_backend,
+                               lora)
     declared = jax.tree_util.tree_leaves_with_path(nnx.get_partition_spec(nnx.state(model)),
                                                     is_leaf=lambda x: isinstance(x, P))
     paths = [".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path) for path, _ in declared]
     specs = [spec for _, spec in declared]
     weights = [jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(abstract, s))
                for w, s in zip(r.weights, specs, strict=True)]
-    return Program(case, setup, r._forward, weights, specs, paths, pool, abstract, backend or setup.platform.backend)
+    adapters = () if lora is None else (jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(abstract, s)), lora.args(),
+        lora.specs(), is_leaf=lambda x: isinstance(x, P)),)
+    return Program(case, setup, r._forward, weights, specs, paths, pool, abstract, backend or setup.platform.backend,
+                   adapters)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ abstract mesh of 8 devices, with the configuration the resolve step picks for a 
 Each lowers as one program over 8 devices with nothing CPU-only in it (`accelerator_problems`: no custom call but
 the partitioner's, no float64); the configuration names no CPU-tuned setting; the layer loop's all-reduces run over
 tp groups of consecutive devices (and an expert-parallel block's all-gather / reduce-scatter over the dp groups);
-no all-to-all; every param and the KV pool arrive with their declared shardings, the pool donated.
+no all-to-all; every param and the KV pool arrive with their declared shardings, the pool donated. A CPU-only kernel
+planted in the tp all-reduce every feature calls is named by the check in each of them.
 """
 
 from __future__ import annotations
@@ -85,17 +86,20 @@ def sources(tmp_path_factory, gpt_oss_mxfp4):  # noqa: F811
     return source
 
 
+def build(sources, feature: str, backend: str):
+    """`feature`'s step program as resolved for `backend` ("gpu", "tpu"): a LoRA engine with 2 slots for "lora"."""
+    kind, (dp, pp, tp), _ = FEATURES[feature]
+    cfg, source, facts = sources(kind)
+    case = Case(feature, dp, pp, tp, expert_parallel=facts.experts)
+    loras = 2 if feature == "lora" else 0
+    named = dict(max_loras=loras, enable_lora=True) if loras else {}
+    setup = accelerator_setup(case, backend, facts, cfg.max_position_embeddings, **named)
+    return step_program(case, setup, cfg, source, max_loras=loras)
+
+
 @pytest.fixture(scope="module")
 def programs(sources):
-    @functools.cache
-    def program(feature: str, backend: str):
-        kind, (dp, pp, tp), _ = FEATURES[feature]
-        cfg, source, facts = sources(kind)
-        case = Case(feature, dp, pp, tp, expert_parallel=facts.experts)
-        named = dict(max_loras=2, enable_lora=True) if feature == "lora" else {}
-        setup = accelerator_setup(case, backend, facts, cfg.max_position_embeddings, **named)
-        return step_program(case, setup, cfg, source, max_loras=2 if feature == "lora" else 0)
-    return program
+    return functools.cache(functools.partial(build, sources))
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +195,21 @@ def test_the_sampler_and_the_grammar_mask_lower(platform):
         text = traced.lower(lowering_platforms=(platform,)).as_text()
         assert accelerator_problems(text) == [], (platform, name)
         assert np.all([d in text for d in ("stablehlo",)]), name
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_a_planted_cpu_only_kernel_is_caught_in_every_feature(sources, monkeypatch, feature):
+    """Every tp all-reduce's result passed through an FFI kernel registered for XLA:CPU only (planted in
+    `collectives.all_reduce`, which each feature's layers call): the program still lowers, and the check names it."""
+    from tp_jax.parallel import collectives
+    real = collectives.all_reduce
+
+    def planted(x, *args, **kwargs):
+        y = real(x, *args, **kwargs)
+        return jax.ffi.ffi_call("tp_jax_cpu_reduce", jax.ShapeDtypeStruct(y.shape, y.dtype))(y)
+
+    monkeypatch.setattr(collectives, "all_reduce", planted)
+    prog = build(sources, feature, "gpu")
+    text = prog.lower("cuda", shapes(prog.case.dp * prog.setup.num_microbatches)["decode32"]).as_text()
+    assert accelerator_problems(text) == ["custom call 'tp_jax_cpu_reduce': a kernel XLA's accelerator backends "
+                                          "may not have"]

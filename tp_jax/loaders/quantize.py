@@ -62,7 +62,7 @@ def _weight_bindings(model, table) -> list[Binding]:
     would change which experts run) stays float."""
     return [b for b in bind(model, as_table(table))
             if isinstance(b.module, (MethodLayer, Experts)) and b.name == b.module.weight_name
-            and not getattr(b.module, "keep_float", False)]
+            and not (isinstance(b.module, MethodLayer) and b.module.keep_float)]
 
 
 def _tensors(b: Binding, source, num_layers: int) -> dict:

@@ -37,15 +37,10 @@ from tp_jax.loaders.bind import Binding, bind, check_source
 from tp_jax.loaders.place import fill, place_param
 from tp_jax.parallel.layers import ExpertParam, MethodLayer, ShardedParam
 from tp_jax.parallel.layers.base import ParallelModule as _Base
-from tp_jax.parallel.layers.ggml import GGUFBlocks
 from tp_jax.parallel.layers.method import DerivedParam
 from tp_jax.parallel.layers.moe import Experts
-from tp_jax.parallel.layers.packed import PackedExperts, PackedWeight
 from tp_jax.parallel.layers.stack import use_layer_loop
 from tp_jax.parallel.mesh import TP
-
-FILE_BLOCKS = (GGUFBlocks, PackedWeight, PackedExperts)      # methods holding a file's blocks, not floats
-
 
 class WeightUpdateError(ValueError):
     """Weights that do not fit the engine; nothing was changed, the engine serves its old weights."""
@@ -186,7 +181,7 @@ def _check_arrays(bindings: list[Binding], source, num_layers: int) -> None:
 
 def _check_methods(model) -> None:
     held = sorted({type(n.method).__name__ for _, n in nnx.iter_graph(model)
-                   if isinstance(n, (MethodLayer, Experts)) and isinstance(n.method, FILE_BLOCKS)})
+                   if isinstance(n, (MethodLayer, Experts)) and n.method.file_blocks})
     if held:
         raise WeightUpdateError(f"update_weights: this engine holds a checkpoint's quantized blocks "
                                 f"({', '.join(held)}), "
@@ -217,7 +212,7 @@ def placed_weights(llm, weights, mapping=None, *, check_finite: bool = True) -> 
     except (KeyError, ValueError) as e:
         raise type(e)(f"update_weights: {e}; nothing was changed, the engine serves its old weights") from None
     _check_arrays(bindings, source, cfg.num_layers)
-    layer_map = tuple(getattr(model, "layer_map", range(cfg.num_layers)))
+    layer_map = tuple(model.layer_map)
     state = nnx.state(model, nnx.Param)
     specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
     abstract = dict(nnx.to_flat_state(state))

@@ -121,6 +121,7 @@ class MethodLayer(ParallelModule):
     weight_name: ClassVar[str] = "kernel"
     weight_kind: ClassVar[str] = LINEAR
     weight_transposed: ClassVar[bool] = True
+    keep_float: ClassVar[bool] = False           # quantization leaves it float (an MoE router, MLA's kv_b_proj)
     switched: ClassVar[bool] = True              # reads its weight only through gemm (a switched loop may)
 
     def statements(self) -> dict[str, ShardedParam]:

@@ -89,6 +89,7 @@ class GGUFBlocks(LinearMethod):
     qtype: str
     dot: str = "float32"
     name: ClassVar[str] = "gguf"
+    file_blocks: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.qtype not in FORMATS:

@@ -117,10 +117,13 @@ class LinearMethod:
     the loader casts it to the run's dtype, plans no method for it and reports no quantization. A method that
     lists EXPERTS in `kinds` implements `ExpertMethod` too (checked when the class is defined); one whose GEMM
     has work on x alone or on small params after the dot may implement `SplitGemm` (the switched layer loop).
+    `file_blocks`: the params are a checkpoint's quantized blocks as stored (GGUF, GPTQ, ...), which only that
+    file can refill (`update_weights` takes float arrays for any other method).
     """
     name: ClassVar[str] = "?"
     kinds: ClassVar[tuple[str, ...]] = (LINEAR, EMBEDDING)
     float_weight: ClassVar[bool] = False
+    file_blocks: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -63,6 +63,7 @@ class PackedWeight(LinearMethod):
     local_group: int
     dot: str = "float32"
     groups: int = 0               # act order: the groups every rank's `_scale` holds (and one of zeros)
+    file_blocks: ClassVar[bool] = True
     scale_dtype: str = "float32"  # as the checkpoint stores its scales (float16, bfloat16: exact in float32)
     zero: int = -1                # a symmetric scheme's one zero point (no `_zero` param); -1: zeros per group
     name: ClassVar[str] = "packed"
@@ -177,6 +178,7 @@ class PackedExperts(LinearMethod, ExpertMethod):
     kernels through `expert_kernel`: the experts a step reads, dequantized to the run's dtype (weight-only,
     as int8 experts are cast), in float32 exactly the checkpoint's weights."""
     methods: tuple[tuple[str, PackedWeight], ...]
+    file_blocks: ClassVar[bool] = True
     name: ClassVar[str] = "packed"
     kinds: ClassVar[tuple[str, ...]] = (EXPERTS,)
 

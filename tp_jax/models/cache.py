@@ -44,12 +44,15 @@ class KVLayout:
     from the head plan), so the pool shards on tp exactly like the model's KV heads.
     v_head_dim: None = head_dim; 0 = no value pool (MLA caches one latent per token as its k: kv_heads = tp,
     one copy per tp rank).
+    window: every layer attends only the latest `window` keys (a query at p sees keys p - window + 1 .. p): the
+    engine frees a sequence's blocks that no query still to come can see. None: some layer sees every key.
     """
     num_layers: int
     kv_heads: int
     head_dim: int
     dtype: np.dtype
     v_head_dim: int | None = None
+    window: int | None = None
 
     @property
     def value_dim(self) -> int:

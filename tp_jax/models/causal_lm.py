@@ -159,7 +159,8 @@ class CausalLM(nnx.Module):
 
     def kv_layout(self) -> KVLayout:
         plan = plan_heads(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
-        return KVLayout(len(self.layer_map), plan.padded_kv_heads, self.config.head_dim, self.dtype)
+        return KVLayout(len(self.layer_map), plan.padded_kv_heads, self.config.head_dim, self.dtype,
+                        window=self.config.kv_window())
 
     def hidden_states(self, ids, positions, cache: KVCache | None = None, *, microbatches: int = 1, lora=None):
         return self.model(ids, positions, cache, microbatches, lora)

@@ -114,6 +114,10 @@ class DecoderConfig(ModelConfig):
             return None
         return tuple(self.sliding_window if t == "sliding_attention" else FULL_WINDOW for t in self.layer_types)
 
+    def kv_window(self) -> int | None:
+        """The window every layer attends within (the KV cache may drop older keys), or None: some layer sees all."""
+        return self.sliding_window if self.layer_types is None else None
+
     def for_context(self, max_model_len: int) -> DecoderConfig:
         """This config for sequences of up to `max_model_len` tokens: the rotary embedding that depends on the
         context (LongRoPE's factor set, tp_jax/models/rope.py `for_context`) chosen for it."""

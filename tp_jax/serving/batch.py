@@ -288,4 +288,4 @@ def _fill(row: ScheduledRow, table: list[int], block_size: int, off: int, ids, p
     pos[off:off + k] = positions
     slots[off:off + k] = blocks[positions // block_size] * block_size + positions % block_size
     used = -(-(start + k) // block_size)
-    table_out[:used] = blocks[:used]
+    table_out[:used] = np.maximum(blocks[:used], 0)          # a block freed out of the window (-1): block 0, unseen

@@ -9,6 +9,11 @@ hashes are registered reuses those blocks (reference-counted) instead of recompu
 A freed block keeps its hash and waits in the free queue, least recently freed first; it is
 evicted (hash dropped) only when a fresh block is needed and it is at the head. Freed
 blocks that hold no cached content go to the head, so cached ones stay longest.
+
+Sliding window (`window`: every layer sees only the latest `window` keys, vLLM's SlidingWindowManager for a
+model with one kind of layer): after each step a request's blocks that no query still to come can see are freed
+as a finished request's are (a cached one keeps its hash) and its table holds NULL_BLOCK in their place, so
+a sequence holds about (window + the step's tokens) / block_size blocks however long it grows.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ import collections
 
 from tp_jax.serving.request import Request
 
+NULL_BLOCK = -1          # a table entry whose block was freed (out of the window); the batch reads block 0 there
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
+        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
         self.prefix_caching = enable_prefix_caching
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
@@ -28,6 +36,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.tables: dict[str, list[int]] = {}
         self.num_registered: dict[str, int] = {}       # leading blocks of a request already hashed/registered
+        self.num_dropped: dict[str, int] = {}          # leading blocks of a request freed (out of the window)
         self.prefix_queries = 0                          # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0                             # of which found
 
@@ -95,7 +104,7 @@ class BlockManager:
         table = self.tables[req.request_id]
         for i, h in enumerate(req.hashes_upto(full, self.block_size)[done:], start=done):
             b = table[i]
-            if self.hash_of[b] is None and h not in self.cached:
+            if b != NULL_BLOCK and self.hash_of[b] is None and h not in self.cached:
                 self.cached[h] = b
                 self.hash_of[b] = h
         self.num_registered[req.request_id] = full
@@ -114,12 +123,30 @@ class BlockManager:
     def free(self, req: Request) -> None:
         """Release req's blocks, last first, so a prefix outlives its tail in the cache."""
         self.num_registered.pop(req.request_id, None)
+        self.num_dropped.pop(req.request_id, None)
         for b in reversed(self.tables.pop(req.request_id, [])):
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self.free_queue[b] = None
-                if self.hash_of[b] is None:
-                    self.free_queue.move_to_end(b, last=False)
+            if b != NULL_BLOCK:
+                self._release(b)
+
+    def _release(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self.free_queue[b] = None
+            if self.hash_of[b] is None:
+                self.free_queue.move_to_end(b, last=False)
+
+    def slide(self, req: Request) -> None:
+        """Free req's leading blocks that no query from its next token on can see (sliding window only): block i
+        holds positions up to (i + 1) * block_size - 1, and a query at p >= num_computed_tokens sees keys above
+        p - window."""
+        if self.window is None:
+            return
+        table = self.tables.get(req.request_id, [])
+        gone = max(0, (req.num_computed_tokens - self.window + 1) // self.block_size)
+        for i in range(self.num_dropped.get(req.request_id, 0), min(gone, len(table))):
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+        self.num_dropped[req.request_id] = max(self.num_dropped.get(req.request_id, 0), min(gone, len(table)))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (benchmarks, weight swaps); only when no request holds blocks."""

@@ -48,6 +48,7 @@ class PoolShape:
     num_blocks: int              # per dp replica
     block_size: int
     mesh_shape: tuple[int, int, int]   # (dp, pp, tp)
+    window: int | None = None    # every layer (the draft's too) sees the latest `window` keys: older blocks are freed
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -72,9 +73,24 @@ class PoolShape:
 
     def describe(self) -> str:
         _, pp, tp = self.mesh_shape
+        window = "" if self.window is None else (f"; sliding window {self.window}: a sequence holds the blocks of "
+                                                 f"its latest {self.window} tokens and the step's")
         return (f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens per replica, "
                 f"{self.bytes_per_device / 2**20:.1f} MiB per device ({np.dtype(self.layout.dtype).name}, "
-                f"{self.layout.bytes_per_token(pp, tp)} bytes per token per device)")
+                f"{self.layout.bytes_per_token(pp, tp)} bytes per token per device){window}")
+
+
+def sliding_window(layout: KVLayout, draft_layout: KVLayout | None) -> int | None:
+    """The window beyond which no layer (the draft model's included: it reads the same blocks) sees a key."""
+    windows = [x.window for x in (layout, draft_layout) if x is not None]
+    return None if None in windows else max(windows)
+
+
+def blocks_per_sequence(max_model_len: int, block_size: int, window: int | None, max_num_batched_tokens: int) -> int:
+    """The most blocks one sequence holds at once: all of max_model_len's, or under a sliding window the window's
+    keys before a step plus the step's tokens (and a block each side cut by a boundary)."""
+    full = math.ceil(max_model_len / block_size)
+    return full if window is None else min(full, math.ceil((window - 1 + max_num_batched_tokens) / block_size) + 1)
 
 
 def block_bytes_per_device(layout: KVLayout, block_size: int, mesh_shape: tuple[int, int, int]) -> int:
@@ -127,7 +143,8 @@ def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None
     kv_cache_memory_bytes, gpu_memory_utilization = setup.kv_cache_memory_bytes, setup.gpu_memory_utilization
     mesh_shape = (mesh.shape[DP], mesh.shape[PP], mesh.shape[TP])
     per_block = sum(block_bytes_per_device(x, block_size, mesh_shape) for x in (layout, draft_layout) if x)
-    per_seq = math.ceil(max_model_len / block_size)
+    window = sliding_window(layout, draft_layout)
+    per_seq = blocks_per_sequence(max_model_len, block_size, window, setup.max_num_batched_tokens)
     if num_gpu_blocks is not None:
         num, source = int(num_gpu_blocks), f"num_gpu_blocks={num_gpu_blocks}"
     else:
@@ -143,12 +160,14 @@ def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None
         raise ValueError(f"the KV pool would have no blocks ({source}; one block of {block_size} tokens takes "
                          f"{per_block} bytes per device); give num_gpu_blocks >= {per_seq} or "
                          f"kv_cache_memory_bytes >= {per_seq * per_block}")
-    if num * block_size < max_model_len:
+    if num < per_seq:
+        held = "" if window is None else (f" (under the sliding window of {window} tokens a sequence holds at most "
+                                          f"{per_seq} blocks at once)")
         raise ValueError(f"the KV pool holds {num * block_size} tokens per replica ({num} blocks of {block_size}, "
-                         f"from {source}), fewer than one sequence of max_model_len={max_model_len}; raise "
+                         f"from {source}), fewer than one sequence of max_model_len={max_model_len}{held}; raise "
                          f"num_gpu_blocks to >= {per_seq} (kv_cache_memory_bytes >= {per_seq * per_block}) or "
                          f"lower max_model_len to <= {num * block_size}")
-    return PoolShape(layout, num, block_size, mesh_shape)
+    return PoolShape(layout, num, block_size, mesh_shape, window)
 
 
 def stored_format(layout: KVLayout) -> np.dtype | None:

@@ -32,11 +32,12 @@ class SchedulerConfig:
     num_blocks: int                   # per replica: the pool's
     num_replicas: int                 # dp: the mesh's
     enable_prefix_caching: bool
+    sliding_window: int | None        # the pool's (PoolShape.window): blocks older than it are freed
 
     @classmethod
-    def of(cls, setup, num_blocks: int, num_replicas: int) -> SchedulerConfig:
+    def of(cls, setup, num_blocks: int, num_replicas: int, sliding_window: int | None = None) -> SchedulerConfig:
         return cls(setup.max_num_seqs, setup.max_num_batched_tokens, setup.block_size, num_blocks, num_replicas,
-                   setup.enable_prefix_caching)
+                   setup.enable_prefix_caching, sliding_window)
 
 
 @dataclasses.dataclass
@@ -83,7 +84,7 @@ class Scheduler:
         """`lora`: the LoRA slot table (tp_jax/serving/lora.py LoRASlots) when adapters are served: a request
         with an adapter is admitted only once its adapter holds a device slot."""
         self.cfg, self.lora = cfg, lora
-        self.blocks = [BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.blocks = [BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.sliding_window)
                        for _ in range(cfg.num_replicas)]
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[list[Request]] = [[] for _ in range(cfg.num_replicas)]
@@ -188,7 +189,8 @@ class Scheduler:
     def update(self, out: SchedulerOutput) -> None:
         """After the step ran (and speculative rows were verified, `rejected` set): the scheduled tokens
         but the rejected drafts are computed; full blocks join the prefix cache; blocks wholly past the
-        request's computed tokens and its next one (rejected or dropped drafts') are freed."""
+        request's computed tokens and its next one (rejected or dropped drafts') are freed, and under a sliding
+        window those before it."""
         for r, rows in enumerate(out.rows):
             for row in rows:
                 req = row.request
@@ -196,3 +198,4 @@ class Scheduler:
                     req.num_computed_tokens = row.start + row.num_tokens - row.rejected
                     self.blocks[r].register_full_blocks(req)
                     self.blocks[r].trim(req, req.num_computed_tokens + 1)     # no-op but after drafts
+                    self.blocks[r].slide(req)

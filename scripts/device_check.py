@@ -20,7 +20,8 @@ jaxlib: exit 2). Then the checks, each timed; a failed one is recorded and the o
             dots) logits within 1e-3 and greedy tokens equal; the accelerator default (auto: bfloat16) perplexity
             within 3% of float32's and greedy agreement >= 0.75 (skipped by --quick)
   greedy    the engine's greedy tokens == transformers' (tiny models, a batch of prompts and one alone, float32)
-            at float32 matmul precision
+            at float32 matmul precision; and with attention_backend="pallas" (the Pallas paged decode kernel:
+            Triton on the GPU, its interpreter in the CPU dry run)
   bench     decode tokens/s at batch 1, 8 and 32 (SmolLM2 with the default configuration; the tiny model with
             --quick), device memory after each (peak bytes where the device reports them)
   server    `tp-jax serve` as a subprocess: /health, /v1/models, a greedy completion equal to the engine's text
@@ -281,9 +282,14 @@ def check_greedy(ctx) -> dict:
             model = llm(path, dtype="float32")
             batch = [o.outputs[0].token_ids for o in model.generate(PROMPTS, params)]
             alone = model.generate(PROMPTS[1], params)[0].outputs[0].token_ids
-        out[name] = {"batch_equal": batch == refs, "alone_equal": alone == refs[1]}
+            del model
+            kernel = [o.outputs[0].token_ids
+                      for o in llm(path, dtype="float32", attention_backend="pallas").generate(PROMPTS, params)]
+        out[name] = {"batch_equal": batch == refs, "alone_equal": alone == refs[1], "pallas_equal": kernel == refs}
         if batch != refs or alone != refs[1]:
             bad.append(f"{name}: greedy tokens differ from transformers' ({batch} vs {refs})")
+        if kernel != refs:
+            bad.append(f"{name}: attention_backend='pallas' greedy tokens differ from transformers' ({kernel})")
     if bad:
         raise CheckFailed("; ".join(bad), out)
     return out

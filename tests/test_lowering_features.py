@@ -213,3 +213,22 @@ def test_a_planted_cpu_only_kernel_is_caught_in_every_feature(sources, monkeypat
     text = prog.lower("cuda", shapes(prog.case.dp * prog.setup.num_microbatches)["decode32"]).as_text()
     assert accelerator_problems(text) == ["custom call 'tp_jax_cpu_reduce': a kernel XLA's accelerator backends "
                                           "may not have"]
+
+
+def test_the_pallas_attention_backend_lowers_for_cuda_as_one_triton_kernel(sources):
+    """`attention_backend="pallas"` (tp_jax/models/paged_kernel.py) on the tp 8 Llama: the decode rows' attention is
+    one Triton kernel in the layer loop, the only custom call besides the partitioner's; a mixed step's prefill rows
+    stay the reference's."""
+    from tests.test_lowering import loop_bodies, reachable
+    kind, (dp, pp, tp), _ = FEATURES["lora"]
+    cfg, source, facts = sources(kind)
+    case = Case("pallas", dp, pp, tp)
+    setup = accelerator_setup(case, "gpu", facts, cfg.max_position_embeddings, attention_backend="pallas")
+    prog = step_program(case, setup, cfg, source)
+    for name in ("decode32", "mixed"):
+        text = prog.lower("cuda", shapes(dp * setup.num_microbatches)[name]).as_text()
+        assert accelerator_problems(text) == ["custom call '__gpu$xla.gpu.triton': a kernel XLA's accelerator "
+                                              "backends may not have"], name
+        hlo = prog.lower("cuda", shapes(dp * setup.num_microbatches)[name]).as_text(dialect="hlo")
+        body = "".join(reachable(hlo, [b]) for b in loop_bodies(hlo))
+        assert body.count('custom_call_target="__gpu$xla.gpu.triton"') == 1, name

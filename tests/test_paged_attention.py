@@ -81,6 +81,7 @@ def make_case(rng, rows, width, window, chunk_blocks=2, chunk_padding=2):
 
 
 TOLERANCE = {"reference": dict(atol=2e-5, rtol=1e-5), "split_f32": dict(atol=2e-5, rtol=1e-5),
+             "pallas": dict(atol=2e-5, rtol=1e-5),         # tp_jax/models/paged_kernel.py, in Pallas' interpreter
              "bf16": dict(atol=3e-2, rtol=0)}      # bf16: operands rounded to 8 bits (|out| <~ 2 here)
 
 
@@ -98,7 +99,7 @@ def _split_f32(monkeypatch):
     monkeypatch.setitem(attention.PAGED_BACKENDS, "split_f32", split_f32)
 
 
-@pytest.mark.parametrize("backend", ["reference", "split_f32", "bf16"])
+@pytest.mark.parametrize("backend", ["reference", "split_f32", "bf16", "pallas"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("rows,width,chunk_blocks", [
     ([(3, 1), (9, 1), (0, 1), (40, 1)], 16, 1),     # decodes only: up to 11 chunks a row, some outside a window
@@ -136,7 +137,7 @@ def test_paged_equals_per_sequence_attention(rows, width, chunk_blocks, window, 
     np.testing.assert_array_equal(vp[0][:, ~written], v_pool[0][:, ~written])
 
 
-@pytest.mark.parametrize("backend", ["reference", "split_f32", "bf16"])
+@pytest.mark.parametrize("backend", ["reference", "split_f32", "bf16", "pallas"])
 @pytest.mark.parametrize("kind", ["sinks", "latent"])
 def test_sinks_and_latent_values(backend, kind):
     """gpt-oss's sinks (with a window, as its sliding layers have) and MLA's latent pool (values = the keys' first

@@ -32,7 +32,9 @@ its own length alone, so its numbers never depend on the other rows of its step.
 (q, k_pool, v_pool, layer, positions, batch: one micro-batch's PagedBatch, scale, window); the
 reference (gather + masked softmax in jax.numpy, float32) runs everywhere and is the oracle for
 any other: "bf16" attends the decode rows split-K with both dots' operands rounded to bfloat16
-(float32 accumulation; only when named: `LLM(attention_backend="bf16")`). A Pallas kernel for an accelerator registers the same way (`LLM(attention_backend=...)`).
+(float32 accumulation; only when named: `LLM(attention_backend="bf16")`); "pallas" attends the decode rows with
+the Pallas kernel of tp_jax/models/paged_kernel.py (each row's blocks read where they lie; Triton on a GPU, Pallas'
+interpreter on a CPU; only when named).
 """
 
 from __future__ import annotations
@@ -284,7 +286,25 @@ def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window, softca
                                     v_dim=v_dim, stored=stored), v_dim=v_dim, stored=stored)
 
 
-PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "bf16": paged_bf16}
+def paged_pallas(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=None, sinks=None, v_dim=None,
+                 stored=None):
+    """`paged_reference` with the decode rows attended by the Pallas kernel (tp_jax/models/paged_kernel.py: each
+    row's blocks read where they lie, no gathered copy; Triton on a GPU, Pallas' interpreter on a CPU); prefill
+    rows, MLA's latent pool and a float8 pool by the reference."""
+    from tp_jax.models.paged_kernel import paged_decode
+    kw = {k: x for k, x in (("softcap", softcap), ("sinks", sinks), ("v_dim", v_dim), ("stored", stored))
+          if x is not None}
+    d = batch.decode_tables.shape[0]
+    if v_dim is not None or stored is not None or not d:
+        return paged_reference(q, k_pool, v_pool, layer, positions, batch, scale, window, **kw)
+    out = paged_reference(q, k_pool, v_pool, layer, positions, batch.replace(decode_tables=batch.decode_tables[:0]),
+                          scale, window, **kw)
+    dec = paged_decode(q[:d], k_pool, v_pool, layer, positions[:d] + 1, batch.decode_tables, scale, window, softcap,
+                       sinks)
+    return out.at[:d].set(dec.astype(out.dtype))
+
+
+PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "bf16": paged_bf16, "pallas": paged_pallas}
 SPLIT_K_BACKENDS = frozenset({"bf16"})     # they read the decode chunks (build_batch(split_k=True))
 
 

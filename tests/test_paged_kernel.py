@@ -1,0 +1,136 @@
+"""The Pallas paged decode kernel (tp_jax/models/paged_kernel.py) in Pallas' interpreter on CPU against the
+reference backend, and lowered for `cuda` (Triton):
+
+* random pools and ragged decode rows (1 to 61 keys, tables of unequal width, blocks scattered over the pool): GQA
+  groups of 1, 4 and 6 query heads per KV head, no window / an int window / a traced per-layer window, soft-capping,
+  sinks; float32 within 1e-5 of `paged_reference`, bfloat16 within bfloat16 rounding;
+* the numeric contract: a row's output is the same, bit for bit, alone and inside a batch of other rows;
+* `attention_backend="pallas"` through the engine (decode rows by the kernel, prefill chunks by the reference) on a
+  tiny Llama and on gpt-oss's sinks and alternating windows: tokens equal and logprobs within 1e-5 of the reference
+  backend's in float32;
+* lowered for `cuda`, the kernel is one Triton custom call.
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from tp_jax.models.attention import paged_reference
+from tp_jax.models.cache import PagedBatch
+from tp_jax.models.paged_kernel import paged_decode
+
+LENGTHS = [1, 7, 16, 33, 61, 4]
+BS, NB, HD = 4, 96, 16
+
+
+def case(groups: int, dtype, seed: int = 0, lengths=LENGTHS):
+    """(q, k_pool, v_pool, positions, tables, a PagedBatch of those decode rows, sinks)."""
+    rng = np.random.default_rng(seed)
+    hkv, hq, d = 2, 2 * groups, len(lengths)
+    width = max(-(-n // BS) for n in lengths)
+    tables = np.zeros((d, width), np.int32)
+    free = rng.permutation(NB)
+    for i, n in enumerate(lengths):
+        m = -(-n // BS)
+        tables[i, :m], free = free[:m], free[m:]
+    pools = [jnp.asarray(rng.standard_normal((3, hkv, NB, BS, HD)), dtype) for _ in range(2)]
+    q = jnp.asarray(rng.standard_normal((d, hq, HD)), dtype)
+    positions = jnp.asarray(np.array(lengths) - 1, jnp.int32)
+    empty = jnp.zeros((0, 0), jnp.int32)
+    batch = PagedBatch(jnp.full((d,), -1, jnp.int32), jnp.asarray(tables), empty, jnp.zeros((0,), jnp.int32),
+                       jnp.zeros((0,), jnp.int32), empty, empty)
+    sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+    return q, *pools, positions, jnp.asarray(tables), batch, sinks
+
+
+VARIANTS = {"plain": {}, "window8": {"window": 8}, "softcap": {"softcap": 5.0}, "sinks_window": {"window": 8, "sinks": True}}
+
+
+CASES = [(4, v, t) for v in VARIANTS for t in ("float32", "bfloat16")] + [(1, "plain", "float32"),
+                                                                         (6, "sinks_window", "float32")]
+
+
+@pytest.mark.parametrize("groups,variant,dtype", CASES)
+def test_the_kernel_equals_the_reference(groups, variant, dtype):
+    q, kp, vp, positions, tables, batch, sinks = case(groups, jnp.dtype(dtype))
+    opts = dict(VARIANTS[variant])
+    window = opts.pop("window", None)
+    extra = {"softcap": opts.get("softcap"), "sinks": sinks if opts.get("sinks") else None}
+    ref = paged_reference(q, kp, vp, jnp.int32(2), positions, batch, 0.25, window,
+                          **{k: v for k, v in extra.items() if v is not None})
+    got = paged_decode(q, kp, vp, jnp.int32(2), positions + 1, tables, 0.25, window, **extra)
+    diff = float(jnp.abs(ref.astype(jnp.float32) - got.astype(jnp.float32)).max())
+    bound = 1e-5 if dtype == "float32" else 2 ** -7 * float(jnp.abs(ref.astype(jnp.float32)).max())
+    assert got.dtype == q.dtype and diff <= bound, (variant, groups, dtype, diff)
+
+
+def test_a_traced_per_layer_window():
+    """Inside a layer loop the window is a traced value (a stack whose layers differ)."""
+    q, kp, vp, positions, tables, batch, _ = case(4, jnp.float32)
+    run = jax.jit(lambda w: paged_decode(q, kp, vp, jnp.int32(0), positions + 1, tables, 0.25, w))
+    for window in (3, 8, 1 << 30):
+        ref = paged_reference(q, kp, vp, jnp.int32(0), positions, batch, 0.25, window)
+        assert float(jnp.abs(run(jnp.int32(window)) - ref).max()) <= 1e-5, window
+
+
+def test_a_row_is_the_same_alone_and_in_a_batch():
+    q, kp, vp, positions, tables, _, sinks = case(4, jnp.float32)
+    together = paged_decode(q, kp, vp, jnp.int32(1), positions + 1, tables, 0.25, 8, 5.0, sinks)
+    for i in range(q.shape[0]):
+        width = -(-int(positions[i] + 1) // BS)
+        alone = paged_decode(q[i:i + 1], kp, vp, jnp.int32(1), positions[i:i + 1] + 1, tables[i:i + 1, :width],
+                             0.25, 8, 5.0, sinks)
+        np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(together[i]))
+
+
+def test_lowered_for_cuda_it_is_one_triton_kernel():
+    q, kp, vp, positions, tables, _, sinks = case(4, jnp.bfloat16)
+    run = jax.jit(lambda q, kp, vp, n, t: paged_decode(q, kp, vp, jnp.int32(1), n, t, 0.25, 8, 5.0, sinks,
+                                                        interpret=False))
+    text = run.trace(q, kp, vp, positions + 1, tables).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 1 and "tp_jax_paged_decode" in text
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import os
+
+    import torch
+    import transformers
+    from tests.flagship_models import _randomize_extras, hf_config
+    from tests.tiny_models import make_checkpoint, randomize
+    root = str(tmp_path_factory.mktemp("paged_kernel"))
+    torch.manual_seed(0)
+    oss = _randomize_extras(randomize(transformers.AutoModelForCausalLM.from_config(hf_config("gpt_oss")).eval()))
+    oss.save_pretrained(os.path.join(root, "gpt_oss"), safe_serialization=True)
+    return {"llama": make_checkpoint("gqa", root), "gpt_oss": os.path.join(root, "gpt_oss")}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+def test_the_engine_with_the_kernel_equals_the_reference_backend(checkpoints, name):
+    from tp_jax import LLM, SamplingParams
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 250, n).tolist() for n in (5, 30, 47)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
+    outs = {}
+    for backend in ("reference", "pallas"):
+        llm = LLM(checkpoints[name], dtype="float32", attention_backend=backend, block_size=4,
+                  max_num_batched_tokens=16, progress=False)
+        assert llm.setup.attention_backend == backend
+        outs[backend] = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for ref, got in zip(outs["reference"], outs["pallas"]):
+        assert got.token_ids == ref.token_ids
+        lp = lambda c: np.array([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])   # noqa: E731
+        assert float(np.abs(lp(got) - lp(ref)).max()) <= 1e-5
+
+
+def test_on_a_tpu_the_gpu_kernel_is_refused_by_name():
+    from tp_jax.serving.engine_args import EngineArgs
+    from tp_jax.serving.resolve import CheckpointFacts, Platform, resolve
+    facts = CheckpointFacts("safetensors", "LlamaForCausalLM", frozenset({None}))
+    with pytest.raises(ValueError, match=r"attention_backend='pallas' is a GPU kernel .* use attention_backend="
+                                         r"'reference'"):
+        resolve(EngineArgs(attention_backend="pallas"), Platform("tpu", num_devices=8), facts, 4096)
+    assert resolve(EngineArgs(attention_backend="pallas"), Platform("gpu"), facts, 4096).attention_backend == "pallas"

@@ -1,0 +1,107 @@
+"""Paged decode attention as a Pallas kernel: each decode row's query heads over its own blocks, read through its
+block table where they lie in the pool, with no gathered copy of the context.
+
+One program per (decode row, KV head) reads the row's blocks PAGES_PER_STEP at a time, only those its window and
+length reach (the loop's bounds come from the row itself), and keeps an online softmax (the running max, the sum
+of exponentials and the unnormalized output; flash attention's recurrence), so a row's numbers depend on its own
+blocks alone: batch-invariant by construction. It covers GQA groups, a per-layer sliding window (an int or a
+traced per-layer value), Gemma 2's logit soft-capping and gpt-oss's sinks (the recurrence starts from the sink: m =
+sink, l = 1, o = 0). MLA's latent pool and a float8 pool are left to the reference (`paged_pallas` falls back).
+
+It is written for Pallas on GPU (Triton): the query heads of a KV head are padded to a multiple of 16 (Triton's
+smallest dot), blocks of the pool are addressed by row (`layer * kv_heads + head`, then the block ids of the
+table). On a CPU it runs in Pallas' interpreter (`interpret=True`), which is how the tests check it against the
+reference (tests/test_paged_kernel.py); tests/test_lowering_features.py lowers it for `cuda`. JAX's own
+`pallas.ops.gpu.paged_attention` takes one layer's pool, which would be a copy of the layer's whole pool out of
+tp_jax's stacked one per step, and has no window or sinks: hence this kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+PAGES_PER_STEP = 4      # blocks a program reads per loop step (one [PAGES_PER_STEP * block_size, hd] tile of keys)
+HEAD_TILE = 16          # query heads of a KV head padded to a multiple of this (Triton's smallest dot dimension)
+NO_WINDOW = 1 << 30
+
+
+def _decode_kernel(layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *,
+                   scale: float, softcap: float | None, kv_heads: int, block_size: int):
+    row, head = pl.program_id(0), pl.program_id(1)
+    pool_row = layer_ref[0] * kv_heads + head
+    length, window = lengths_ref[row], window_ref[0]
+    span = PAGES_PER_STEP * block_size
+    first = jnp.maximum(length - window, 0) // span                 # the first step whose keys the window reaches
+    last = (length + span - 1) // span
+    q = q_ref[...].astype(jnp.float32)                               # [G, hd]
+    g, hv = q.shape[0], v_ref.shape[-1]
+
+    def step(c, carry):
+        m, l, o = carry
+        pages = tables_ref[pl.ds(c * PAGES_PER_STEP, PAGES_PER_STEP)]
+        k = k_ref[pool_row, pages].reshape(span, -1).astype(jnp.float32)        # [span, hd]
+        v = v_ref[pool_row, pages].reshape(span, -1).astype(jnp.float32)
+        s = jnp.dot(q, k.T) * scale                                               # [G, span]
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
+        pos = c * span + jax.lax.broadcasted_iota(jnp.int32, (g, span), 1)
+        s = jnp.where((pos < length) & (pos > length - 1 - window), s, -jnp.inf)
+        top = jnp.maximum(m, s.max(axis=1))
+        base = jnp.where(jnp.isfinite(top), top, 0.0)
+        a, p = jnp.exp(m - base), jnp.exp(s - base[:, None])
+        return top, l * a + p.sum(axis=1), o * a[:, None] + jnp.dot(p, v)
+
+    if sinks_ref is None:
+        start = (jnp.full((g,), -jnp.inf, jnp.float32), jnp.zeros((g,), jnp.float32))
+    else:
+        start = (sinks_ref[...].astype(jnp.float32), jnp.ones((g,), jnp.float32))
+    _, l, o = jax.lax.fori_loop(first, last, step, (*start, jnp.zeros((g, hv), jnp.float32)))
+    o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def paged_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, lengths: jax.Array,
+                 tables: jax.Array, scale: float, window=None, softcap: float | None = None,
+                 sinks: jax.Array | None = None, interpret: bool | None = None) -> jax.Array:
+    """q[D, Hq, hd] (one query per decode row) over k/v_pool[L, Hkv, NB, bs, hd] at stacked layer `layer`, each row
+    the first lengths[D] positions of its block table tables[D, W] -> [D, Hq * hd] in q's dtype. `window`: None, an
+    int or a traced int32; `sinks[Hq]`. `interpret`: None = on a CPU."""
+    d, hq, hd = q.shape
+    num_layers, hkv, nb, bs, _ = k_pool.shape
+    g = hq // hkv
+    gp = -(-g // HEAD_TILE) * HEAD_TILE
+    w = tables.shape[1]
+    tables = jnp.pad(tables, ((0, 0), (0, -w % PAGES_PER_STEP)))
+    qg = jnp.pad(q.reshape(d, hkv, g, hd), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    sink_arg = None if sinks is None else jnp.pad(sinks.reshape(hkv, g), ((0, 0), (0, gp - g)),
+                                                  constant_values=-jnp.inf)
+    window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
+    pools = [x.reshape(num_layers * hkv, nb, bs, x.shape[-1]) for x in (k_pool, v_pool)]
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)          # noqa: E731
+    kernel = functools.partial(_decode_kernel, scale=scale, softcap=softcap, kv_heads=hkv, block_size=bs)
+    if sink_arg is None:
+        kernel = functools.partial(_no_sinks, kernel)
+    args = [jnp.reshape(layer, (1,)).astype(jnp.int32), window, lengths.astype(jnp.int32), tables, qg, *pools]
+    specs = [whole(args[0]), whole(window), whole(args[2]),
+             pl.BlockSpec((None, tables.shape[1]), lambda i, j: (i, 0)),
+             pl.BlockSpec((None, None, gp, hd), lambda i, j: (i, j, 0, 0)), whole(pools[0]), whole(pools[1])]
+    if sink_arg is not None:
+        args.append(sink_arg)
+        specs.append(pl.BlockSpec((None, gp), lambda i, j: (j, 0)))
+    hv = v_pool.shape[-1]
+    out = pl.pallas_call(
+        kernel, grid=(d, hkv), in_specs=specs,
+        out_specs=pl.BlockSpec((None, None, gp, hv), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((d, hkv, gp, hv), q.dtype),
+        interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),       # Pallas on Triton
+        name="tp_jax_paged_decode")(*args)
+    return out[:, :, :g].reshape(d, hq * hv)
+
+
+def _no_sinks(kernel, layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref):
+    kernel(layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, None, o_ref)

@@ -163,10 +163,12 @@ class Program:
         return traced.lower(lowering_platforms=(platform,))
 
 
-def step_program(case: Case, setup, cfg, source, backend: str | None = None, max_loras: int = 0) -> Program:
+def step_program(case: Case, setup, cfg, source, backend: str | None = None, max_loras: int = 0,
+                 abstract_device=None) -> Program:
     """ModelRunner's forward for `case` under `setup` (its dtype, linear methods, layer loop, attention backend,
     micro-batches), built as LLM and EngineCore build it, on an AbstractMesh; the model abstract, no pool allocated.
-    It traces as on `backend` (default: the setup's platform). `max_loras`: a LoRA engine's slots (rank 8)."""
+    It traces as on `backend` (default: the setup's platform). `max_loras`: a LoRA engine's slots (rank 8).
+    `abstract_device`: the mesh's device kind (a Mosaic kernel lowers for the TPU generation it names)."""
     from tp_jax.loaders.model import abstract_model
     from tp_jax.loaders.quantize import plan_methods
     from tp_jax.models.registry import architecture
@@ -184,7 +186,8 @@ def step_program(case: Case, setup, cfg, source, backend: str | None = None, max
                                strict=not setup.settings["quantization"].automatic)
         model = abstract_model(cfg, mesh, dtype, methods)
     use_layer_loop(model, mesh, setup.layer_loop)
-    abstract = AbstractMesh((case.dp, case.pp, case.tp), ("dp", "pp", "tp"), axis_types=(AxisType.Auto,) * 3)
+    abstract = AbstractMesh((case.dp, case.pp, case.tp), ("dp", "pp", "tp"), axis_types=(AxisType.Auto,) * 3,
+                            abstract_device=abstract_device)
     pool_shape = PoolShape(model.kv_layout(), NUM_BLOCKS, BLOCK_SIZE, (case.dp, case.pp, case.tp))
     pool = jax.ShapeDtypeStruct(pool_shape.shape, pool_shape.layout.dtype,
                                 sharding=NamedSharding(abstract, POOL_SPEC))

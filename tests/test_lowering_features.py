@@ -232,3 +232,29 @@ def test_the_pallas_attention_backend_lowers_for_cuda_as_one_triton_kernel(sourc
         hlo = prog.lower("cuda", shapes(dp * setup.num_microbatches)[name]).as_text(dialect="hlo")
         body = "".join(reachable(hlo, [b]) for b in loop_bodies(hlo))
         assert body.count('custom_call_target="__gpu$xla.gpu.triton"') == 1, name
+
+
+def test_the_pallas_attention_backend_exports_for_a_tpu_as_one_mosaic_kernel(sources):
+    """The same backend resolved for a TPU runs the kernel's Mosaic form (pages copied into VMEM by DMA): the tp 8
+    Llama's decode step exported for a TPU v6e (Mosaic lowers for the generation the mesh's abstract device names)
+    holds one Mosaic custom call in the layer loop and nothing CPU-only."""
+    from unittest import mock
+
+    from jax import export
+    from jax._src.mesh import AbstractDevice
+    kind, (dp, pp, tp), _ = FEATURES["lora"]
+    cfg, source, facts = sources(kind)
+    case = Case("pallas_tpu", dp, pp, tp)
+    setup = accelerator_setup(case, "tpu", facts, cfg.max_position_embeddings, attention_backend="pallas")
+    device = AbstractDevice("TPU v6 lite", 1, "tpu")
+    prog = step_program(case, setup, cfg, source, abstract_device=device)
+    shape = shapes(dp * setup.num_microbatches)["decode32"]
+    from tp_jax.serving.batch import packed_layout
+    n = sum(int(np.prod(s)) for _, s in packed_layout(shape))
+    packed = jax.ShapeDtypeStruct((shape.groups, n), jnp.int32, sharding=NamedSharding(prog.mesh, P("dp")))
+    with mock.patch.object(jax, "default_backend", lambda: "tpu"), jax.sharding.use_abstract_mesh(prog.mesh):
+        text = export.export(prog.forward, platforms=["tpu"])(prog.weights, packed, prog.pool, prog.pool,
+                                                              shape=shape).mlir_module()
+    assert accelerator_problems(text) == ["custom call 'tpu_custom_call': a kernel XLA's accelerator backends may "
+                                          "not have"]
+    assert text.count("custom_call @tpu_custom_call") == 1 and "tp_jax_paged_decode_tpu" in text

@@ -1,5 +1,6 @@
-"""The Pallas paged decode kernel (tp_jax/models/paged_kernel.py) in Pallas' interpreter on CPU against the
-reference backend, and lowered for `cuda` (Triton):
+"""The Pallas paged decode kernel (tp_jax/models/paged_kernel.py), both forms (`triton`: the GPU's, `mosaic`: the
+TPU's, pages copied by DMA) in Pallas' interpreters on CPU against the reference backend, and lowered for `cuda`
+(Triton) and `tpu` (Mosaic, for a TPU v6e):
 
 * random pools and ragged decode rows (1 to 61 keys, tables of unequal width, blocks scattered over the pool): GQA
   groups of 1, 4 and 6 query heads per KV head, no window / an int window / a traced per-layer window, soft-capping,
@@ -8,7 +9,7 @@ reference backend, and lowered for `cuda` (Triton):
 * `attention_backend="pallas"` through the engine (decode rows by the kernel, prefill chunks by the reference) on a
   tiny Llama and on gpt-oss's sinks and alternating windows: tokens equal and logprobs within 1e-5 of the reference
   backend's in float32;
-* lowered for `cuda`, the kernel is one Triton custom call.
+* lowered, the kernel is one Triton custom call for `cuda` and one Mosaic custom call for `tpu`.
 """
 
 import numpy as np
@@ -19,7 +20,9 @@ import jax.numpy as jnp
 
 from tp_jax.models.attention import paged_reference
 from tp_jax.models.cache import PagedBatch
-from tp_jax.models.paged_kernel import paged_decode
+from tp_jax.models.paged_kernel import paged_decode, paged_decode_tpu
+
+KERNELS = {"triton": paged_decode, "mosaic": paged_decode_tpu}
 
 LENGTHS = [1, 7, 16, 33, 61, 4]
 BS, NB, HD = 4, 96, 16
@@ -48,39 +51,43 @@ def case(groups: int, dtype, seed: int = 0, lengths=LENGTHS):
 VARIANTS = {"plain": {}, "window8": {"window": 8}, "softcap": {"softcap": 5.0}, "sinks_window": {"window": 8, "sinks": True}}
 
 
-CASES = [(4, v, t) for v in VARIANTS for t in ("float32", "bfloat16")] + [(1, "plain", "float32"),
-                                                                         (6, "sinks_window", "float32")]
+CASES = [("triton", 4, v, t) for v in VARIANTS for t in ("float32", "bfloat16")] + [
+    ("triton", 1, "plain", "float32"), ("triton", 6, "sinks_window", "float32"),
+    ("mosaic", 4, "plain", "float32"), ("mosaic", 4, "window8", "bfloat16"), ("mosaic", 6, "sinks_window", "float32"),
+    ("mosaic", 1, "softcap", "float32")]
 
 
-@pytest.mark.parametrize("groups,variant,dtype", CASES)
-def test_the_kernel_equals_the_reference(groups, variant, dtype):
+@pytest.mark.parametrize("kernel,groups,variant,dtype", CASES)
+def test_the_kernel_equals_the_reference(kernel, groups, variant, dtype):
     q, kp, vp, positions, tables, batch, sinks = case(groups, jnp.dtype(dtype))
     opts = dict(VARIANTS[variant])
     window = opts.pop("window", None)
     extra = {"softcap": opts.get("softcap"), "sinks": sinks if opts.get("sinks") else None}
     ref = paged_reference(q, kp, vp, jnp.int32(2), positions, batch, 0.25, window,
                           **{k: v for k, v in extra.items() if v is not None})
-    got = paged_decode(q, kp, vp, jnp.int32(2), positions + 1, tables, 0.25, window, **extra)
+    got = KERNELS[kernel](q, kp, vp, jnp.int32(2), positions + 1, tables, 0.25, window, **extra)
     diff = float(jnp.abs(ref.astype(jnp.float32) - got.astype(jnp.float32)).max())
     bound = 1e-5 if dtype == "float32" else 2 ** -7 * float(jnp.abs(ref.astype(jnp.float32)).max())
     assert got.dtype == q.dtype and diff <= bound, (variant, groups, dtype, diff)
 
 
-def test_a_traced_per_layer_window():
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_a_traced_per_layer_window(kernel):
     """Inside a layer loop the window is a traced value (a stack whose layers differ)."""
     q, kp, vp, positions, tables, batch, _ = case(4, jnp.float32)
-    run = jax.jit(lambda w: paged_decode(q, kp, vp, jnp.int32(0), positions + 1, tables, 0.25, w))
+    run = jax.jit(lambda w: KERNELS[kernel](q, kp, vp, jnp.int32(0), positions + 1, tables, 0.25, w))
     for window in (3, 8, 1 << 30):
         ref = paged_reference(q, kp, vp, jnp.int32(0), positions, batch, 0.25, window)
         assert float(jnp.abs(run(jnp.int32(window)) - ref).max()) <= 1e-5, window
 
 
-def test_a_row_is_the_same_alone_and_in_a_batch():
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_a_row_is_the_same_alone_and_in_a_batch(kernel):
     q, kp, vp, positions, tables, _, sinks = case(4, jnp.float32)
-    together = paged_decode(q, kp, vp, jnp.int32(1), positions + 1, tables, 0.25, 8, 5.0, sinks)
+    together = KERNELS[kernel](q, kp, vp, jnp.int32(1), positions + 1, tables, 0.25, 8, 5.0, sinks)
     for i in range(q.shape[0]):
         width = -(-int(positions[i] + 1) // BS)
-        alone = paged_decode(q[i:i + 1], kp, vp, jnp.int32(1), positions[i:i + 1] + 1, tables[i:i + 1, :width],
+        alone = KERNELS[kernel](q[i:i + 1], kp, vp, jnp.int32(1), positions[i:i + 1] + 1, tables[i:i + 1, :width],
                              0.25, 8, 5.0, sinks)
         np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(together[i]))
 
@@ -91,6 +98,23 @@ def test_lowered_for_cuda_it_is_one_triton_kernel():
                                                         interpret=False))
     text = run.trace(q, kp, vp, positions + 1, tables).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 1 and "tp_jax_paged_decode" in text
+
+
+def test_exported_for_a_tpu_it_is_one_mosaic_kernel():
+    """Mosaic lowers for the TPU generation the abstract device names (its vreg and VMEM sizes): exported for a TPU
+    v6e from this CPU machine."""
+    from jax import export
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh, AxisType
+    q, kp, vp, positions, tables, _, sinks = case(4, jnp.bfloat16)
+    run = jax.jit(lambda q, kp, vp, n, t: paged_decode_tpu(q, kp, vp, jnp.int32(1), n, t, 0.25, 8, 5.0, sinks,
+                                                            interpret=False))
+    tpu = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,),
+                       abstract_device=AbstractDevice("TPU v6 lite", 1, "tpu"))
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, kp, vp, positions, tables)]
+    with jax.sharding.use_abstract_mesh(tpu):
+        text = export.export(run, platforms=["tpu"])(*args).mlir_module()
+    assert text.count("custom_call @tpu_custom_call") == 1 and "tp_jax_paged_decode_tpu" in text
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +150,3 @@ def test_the_engine_with_the_kernel_equals_the_reference_backend(checkpoints, na
         assert float(np.abs(lp(got) - lp(ref)).max()) <= 1e-5
 
 
-def test_on_a_tpu_the_gpu_kernel_is_refused_by_name():
-    from tp_jax.serving.engine_args import EngineArgs
-    from tp_jax.serving.resolve import CheckpointFacts, Platform, resolve
-    facts = CheckpointFacts("safetensors", "LlamaForCausalLM", frozenset({None}))
-    with pytest.raises(ValueError, match=r"attention_backend='pallas' is a GPU kernel .* use attention_backend="
-                                         r"'reference'"):
-        resolve(EngineArgs(attention_backend="pallas"), Platform("tpu", num_devices=8), facts, 4096)
-    assert resolve(EngineArgs(attention_backend="pallas"), Platform("gpu"), facts, 4096).attention_backend == "pallas"

@@ -33,8 +33,8 @@ its own length alone, so its numbers never depend on the other rows of its step.
 reference (gather + masked softmax in jax.numpy, float32) runs everywhere and is the oracle for
 any other: "bf16" attends the decode rows split-K with both dots' operands rounded to bfloat16
 (float32 accumulation; only when named: `LLM(attention_backend="bf16")`); "pallas" attends the decode rows with
-the Pallas kernel of tp_jax/models/paged_kernel.py (each row's blocks read where they lie; Triton on a GPU, Pallas'
-interpreter on a CPU; only when named).
+the Pallas kernel of tp_jax/models/paged_kernel.py (each row's blocks read where they lie; Triton on a GPU, Mosaic
+on a TPU, Pallas' interpreter on a CPU; only when named).
 """
 
 from __future__ import annotations
@@ -290,8 +290,9 @@ def paged_pallas(q, k_pool, v_pool, layer, positions, batch, scale, window, soft
                  stored=None):
     """`paged_reference` with the decode rows attended by the Pallas kernel (tp_jax/models/paged_kernel.py: each
     row's blocks read where they lie, no gathered copy; Triton on a GPU, Pallas' interpreter on a CPU); prefill
-    rows, MLA's latent pool and a float8 pool by the reference."""
-    from tp_jax.models.paged_kernel import paged_decode
+    rows, MLA's latent pool and a float8 pool by the reference. On a TPU the kernel's Mosaic form
+    (`paged_decode_tpu`: the pool in HBM, pages copied into VMEM by DMA)."""
+    from tp_jax.models.paged_kernel import paged_decode, paged_decode_tpu
     kw = {k: x for k, x in (("softcap", softcap), ("sinks", sinks), ("v_dim", v_dim), ("stored", stored))
           if x is not None}
     d = batch.decode_tables.shape[0]
@@ -299,8 +300,8 @@ def paged_pallas(q, k_pool, v_pool, layer, positions, batch, scale, window, soft
         return paged_reference(q, k_pool, v_pool, layer, positions, batch, scale, window, **kw)
     out = paged_reference(q, k_pool, v_pool, layer, positions, batch.replace(decode_tables=batch.decode_tables[:0]),
                           scale, window, **kw)
-    dec = paged_decode(q[:d], k_pool, v_pool, layer, positions[:d] + 1, batch.decode_tables, scale, window, softcap,
-                       sinks)
+    kernel = paged_decode_tpu if jax.default_backend() == "tpu" else paged_decode
+    dec = kernel(q[:d], k_pool, v_pool, layer, positions[:d] + 1, batch.decode_tables, scale, window, softcap, sinks)
     return out.at[:d].set(dec.astype(out.dtype))
 
 

@@ -188,7 +188,7 @@ class EngineArgs:
                             count(" (the most logprobs a request may ask for)", minimum=0), cli=False)
     attention_backend: str = arg("auto", "paged attention: auto, reference (float32), bf16 (bf16 dot operands, "
                                  "float32 accumulation, decode split-K), pallas (a Pallas kernel reads the decode "
-                                 "rows' blocks in place: Triton on a GPU)", one_of(attention_backends,
+                                 "rows' blocks in place: Triton on a GPU, Mosaic on a TPU)", one_of(attention_backends,
                                                                                  "an attention backend"),
                                  choices=attention_backends)
     layer_loop: str = arg("auto", "how a step runs the decoder layers: auto, scan (stacked weights), switch "

@@ -283,9 +283,6 @@ def resolve(args: EngineArgs, platform: Platform, checkpoint: CheckpointFacts, m
         rule = next(r for r in rules if r.test(facts))
         chosen[name] = rule.value(facts)
         settings[name] = Setting(chosen[name], rule.when, rule.why, automatic=rule.why != "named by the user")
-    if chosen["attention_backend"] == "pallas" and platform.backend == "tpu":
-        raise ValueError("attention_backend='pallas' is a GPU kernel (Pallas on Triton, tp_jax/models/paged_kernel.py)"
-                         " and does not run on a TPU; use attention_backend='reference' (or 'auto')")
     micro = args.pipeline_parallel_size if args.num_microbatches is None else args.num_microbatches
     return EngineSetup(args, platform, checkpoint, settings, max_model_len, micro)
 

@@ -357,5 +357,46 @@ class TpJaxRollout(base_rollout.BaseRollout):
         return np.array([[self.pad_id()] * (width - len(x)) + x for x in ids], np.int32)
 
 
+# --- on-policy: the rollout's logprobs against the trainer's forward ---------------------------------------------
+
+def on_policy_logprobs(rollout: TpJaxRollout, actor, prompts: list[str], rollout_config) -> dict[str, np.ndarray]:
+    """Sample `prompts` with the rollout (its weights being `actor`'s), then the sampled tokens' logprobs [B, C] by
+    four ways: "sampled" (what the engine drew them with), "scored" (`get_per_token_logps`: the engine's prompt
+    scoring), "get_logits" (`LLM.get_logits`' dense forward, then the sampler's log-softmax) and "trainer"
+    (Tunix's `compute_per_token_logps` on `actor`: the trainer's own forward); "mask" marks the real tokens."""
+    import dataclasses
+
+    from tunix.rl import common
+
+    from tp_jax.parallel.invariant import row_log_softmax
+    config = dataclasses.replace(rollout_config, return_logprobs=True)
+    out = rollout.generate(prompts, config)
+    pad, width = rollout.pad_id(), config.max_tokens_to_generate
+    completions = np.array([np.pad(t, (0, width - len(t)), constant_values=pad) for t in out.tokens])
+    prompt_ids = out.left_padded_prompt_tokens
+    sampled = np.zeros(completions.shape, np.float32)
+    dense = np.zeros(completions.shape, np.float32)
+    for i, (lp, t) in enumerate(zip(out.logprobs, out.tokens)):
+        sampled[i, :len(lp)] = lp
+        p = prompt_ids[i][int(np.argmax(prompt_ids[i] != pad)):].tolist()
+        logits = rollout.llm.get_logits([p + t.tolist()])[0]                    # [T, V]
+        logp = np.asarray(row_log_softmax(jnp.asarray(logits[len(p) - 1:-1])))
+        dense[i, :len(t)] = logp[np.arange(len(t)), t]
+    graphdef, state = nnx.split(actor)
+    trainer = common.compute_per_token_logps(graphdef, state, jnp.asarray(prompt_ids), jnp.asarray(completions),
+                                             pad_id=pad, eos_id=rollout.eos_id())
+    scored = rollout.get_per_token_logps(jnp.asarray(prompt_ids), jnp.asarray(completions))
+    return {"sampled": sampled, "scored": np.asarray(scored), "get_logits": dense, "trainer": np.asarray(trainer),
+            "mask": completions != pad}
+
+
+def deviation(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> dict:
+    """max |a - b|, max |exp(a - b) - 1| (the importance ratio's deviation from 1) and bitwise equality, over
+    `mask`."""
+    delta = np.where(mask, a.astype(np.float64) - b.astype(np.float64), 0.0)
+    return {"max_abs": float(np.abs(delta).max()), "ratio_dev": float(np.abs(np.expm1(delta)).max()),
+            "bitwise": bool((np.where(mask, a, 0) == np.where(mask, b, 0)).all()), "tokens": int(mask.sum())}
+
+
 __all__ = ["TpJaxRollout", "TunixMappingError", "CheckpointNames", "checkpoint_arrays", "checkpoint_shapes",
-           "flat_params", "tunix_config", "tunix_model"]
+           "flat_params", "tunix_config", "tunix_model", "on_policy_logprobs", "deviation"]

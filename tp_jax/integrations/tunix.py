@@ -301,7 +301,7 @@ class TpJaxRollout(base_rollout.BaseRollout):
             rows.append(p + c[:n].tolist())
             spans.append((len(p), n))
         outs = self.llm.generate([{"prompt_token_ids": r} for r in rows],
-                                 SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+                                 SamplingParams(max_tokens=0, prompt_logprobs=0))
         out = np.zeros(completions.shape, np.float32)
         for i, (o, row, (start, n)) in enumerate(zip(outs, rows, spans)):
             out[i, :n] = [o.prompt_logprobs[j][row[j]].logprob for j in range(start, start + n)]
@@ -315,8 +315,9 @@ class TpJaxRollout(base_rollout.BaseRollout):
                                     f"nnx.state(model, nnx.Param)")
         arrays = (checkpoint_arrays(params, self._names, self._shapes) if self._names is not None
                   else flat_params(params))
-        # Tunix's sync_weights forbids host transfers on CPU; the update reads one flag per param back (its NaN
-        # check) and int8 methods quantize on the host: allowed here, for the update only
+        # Tunix's sync_weights forbids every host transfer on CPU; the update moves small host values (scalars its
+        # placement programs take, one NaN flag per param read back; int8 methods quantize on the host): allowed
+        # here, for the update only (the weights themselves go device to device)
         with jax.transfer_guard("allow"):
             self.last_update = self.llm.update_weights(arrays)
 

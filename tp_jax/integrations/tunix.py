@@ -7,10 +7,12 @@
 * `TpJaxRollout` — Tunix's `BaseRollout` (tunix/rl/rollout/base_rollout.py) on an `LLM`: `generate` (the
   conventions of Tunix's vLLM rollout), `get_per_token_logps` (the engine scores prompt + completion),
   `update_params` (a Tunix model's params, mapped, into `LLM.update_weights`), `pad_id`, `eos_id`, `model`.
-* `checkpoint_arrays(params, model, shapes)` — a Tunix model's params under the checkpoint's names and layouts.
-  The names and transforms are Tunix's own: the table its safetensors loader reads a Hugging Face checkpoint
-  with (`tunix.models.<family>.params._get_key_and_transform_mapping`), inverted, so nothing is written twice
-  and a name Tunix maps is mapped here the same way.
+* `checkpoint_arrays(params, CheckpointNames(model), shapes)` — a Tunix model's params under the checkpoint's
+  names and layouts. The names and transforms are Tunix's own: the table its safetensors loader reads a Hugging
+  Face checkpoint with (`tunix.models.<family>.params._get_key_and_transform_mapping`), inverted, so nothing is
+  written twice and a name Tunix maps is mapped here the same way.
+* `on_policy_logprobs(rollout, actor, prompts, config)` / `deviation(a, b, mask)` — the sampled tokens' logprobs
+  four ways (as sampled, the engine's scoring, `LLM.get_logits`, Tunix's `compute_per_token_logps`), compared.
 * `tunix_config(path)` / `tunix_model(path)` — Tunix's ModelConfig and model (Qwen3, Llama 3) of a Hugging
   Face checkpoint, loaded by Tunix's own loader; a config Tunix would run differently from the checkpoint's
   architecture (a RoPE it does not apply, biases it does not hold) is refused.

@@ -30,8 +30,8 @@ CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?"
 PROMPTS = ["say a", "aaa", "banana", "the cat", "abc", "hello"]
 
 
-def write_tiny_checkpoint(path: str, arch: str = "qwen3", seed: int = 0) -> str:
-    """A tiny random Qwen3 / Llama (2 layers, GQA 4:2) with a character tokenizer whose EOS is also its pad
+def write_tiny_checkpoint(path: str, arch: str = "qwen3", seed: int = 0, tied: bool = False) -> str:
+    """A tiny random Qwen3 / Llama (2 layers, GQA 4:2; `tied`: one embedding table) with a character tokenizer whose EOS is also its pad
     (as in many Hugging Face tokenizers: a sampled EOS ends the completion, never sits inside it). RoPE theta 1e6:
     Tunix's models apply that whatever their config says (tp_jax.integrations.tunix refuses any other)."""
     import torch
@@ -49,7 +49,7 @@ def write_tiny_checkpoint(path: str, arch: str = "qwen3", seed: int = 0) -> str:
     cfg = getattr(transformers, f"{name}Config")(
         vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=0, pad_token_id=0,
+        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=0, pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
     torch.manual_seed(seed)
     getattr(transformers, f"{name}ForCausalLM")(cfg).eval().save_pretrained(path)

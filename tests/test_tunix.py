@@ -34,8 +34,10 @@ def _example():
 def ckpt(tmp_path_factory):
     """{arch: (checkpoint A, checkpoint B)}: two tiny random models of the same architecture and config."""
     root, write = tmp_path_factory.mktemp("tunix"), _example().write_tiny_checkpoint
-    return {arch: (write(str(root / f"{arch}_a"), arch, seed=0), write(str(root / f"{arch}_b"), arch, seed=1))
-            for arch in ("qwen3", "llama")}
+    out = {arch: (write(str(root / f"{arch}_a"), arch, seed=0), write(str(root / f"{arch}_b"), arch, seed=1))
+           for arch in ("qwen3", "llama")}
+    out["qwen3_tied"] = tuple(write(str(root / f"qwen3_tied_{s}"), "qwen3", seed=s, tied=True) for s in (2, 3))
+    return out
 
 
 def tokenizer(path):
@@ -59,7 +61,8 @@ def hf_greedy(path, ids, n):
 
 
 def test_every_tunix_param_maps_to_a_checkpoint_tensor(ckpt):
-    """Tunix's loader table, inverted, names each Qwen3 / Llama 3 param as the checkpoint does, in its shape."""
+    """Tunix's loader table, inverted, names each Qwen3 / Llama 3 param (tied embeddings too) as the checkpoint
+    does, its values bit for bit in the checkpoint's layout."""
     for arch, (a, _) in ckpt.items():
         actor = tx.tunix_model(a)
         shapes = tx.checkpoint_shapes(a)
@@ -96,6 +99,19 @@ def test_update_params_then_greedy_equals_transformers_and_tunix(ckpt, arch):
     theirs = vanilla.generate(PROMPTS, greedy)                          # Tunix's sampler drops the EOS
     assert [t.tolist()[:len(v)] for t, v in zip(ours.tokens, theirs.tokens)] == [v.tolist() for v in theirs.tokens]
     assert np.array_equal(ours.left_padded_prompt_tokens, theirs.left_padded_prompt_tokens)
+
+
+def test_tied_embeddings_serve_the_actors_table(ckpt):
+    """Qwen3 with one embedding table, as Qwen3-0.6B (no lm_head param in Tunix, no lm_head.weight in the
+    checkpoint): the engine, started on other weights, gives Tunix's forward's logits after update_params."""
+    a, b = ckpt["qwen3_tied"]
+    actor = tx.tunix_model(a)
+    assert actor.config.use_tied_embedding and not hasattr(actor, "lm_head")
+    rollout = tx.TpJaxRollout(actor, tokenizer(a), model_path=b, dtype="float32", max_model_len=64, progress=False)
+    ids = [1, 5, 6, 7, 8]
+    logits = actor(jnp.asarray([ids]), positions=jnp.arange(5)[None], cache=None,
+                   attention_mask=jnp.tril(jnp.ones((1, 5, 5), bool)))[0]
+    assert np.abs(rollout.llm.get_logits([ids]) - np.asarray(logits)).max() < 1e-5
 
 
 def test_logprobs_equal_the_trainers_forward_after_an_update(ckpt):

@@ -63,7 +63,7 @@ def reward_a(prompts, completions, **_):
 
 
 def grpo(path: str, engine: str, steps: int, log: list) -> object:
-    """Tunix's GRPOLearner for `steps` steps with rollouts from `engine`; the rollout, once trained."""
+    """Tunix's GRPOLearner for `steps` steps with rollouts from `engine`; its RLCluster, once trained."""
     import optax
     import transformers
     from tunix.rl import rl_cluster as rl
@@ -125,27 +125,16 @@ def grpo(path: str, engine: str, steps: int, log: list) -> object:
 
 
 def on_policy_check(cluster) -> dict:
-    """The tp_jax rollout's logprobs of tokens it sampled against Tunix's forward of the trained actor."""
+    """The tp_jax rollout's logprobs of tokens it samples against Tunix's forward of the trained actor."""
     from flax import nnx
-    from tunix.rl import common
     from tunix.rl.rollout import base_rollout
-    rollout = cluster.rollout
-    rollout.update_params(nnx.state(cluster.actor_trainer.model, nnx.Param))
-    config = base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=16, temperature=1.0,
-                                        return_logprobs=True, seed=1)
-    out = rollout.generate(PROMPTS * 2, config)
-    pad = rollout.pad_id()
-    completions = np.array([np.pad(t, (0, 16 - len(t)), constant_values=pad) for t in out.tokens])
-    sampled = np.zeros(completions.shape, np.float32)
-    for i, lp in enumerate(out.logprobs):
-        sampled[i, :len(lp)] = lp
-    graphdef, state = nnx.split(cluster.actor_trainer.model)
-    trainer = np.asarray(common.compute_per_token_logps(graphdef, state, jnp.asarray(out.left_padded_prompt_tokens),
-                                                        jnp.asarray(completions), pad_id=pad, eos_id=pad))
-    mask = completions != pad
-    delta = np.where(mask, sampled - trainer, 0.0)
-    return {"tokens": int(mask.sum()), "max_abs_delta": float(np.abs(delta).max()),
-            "max_ratio_dev": float(np.abs(np.expm1(delta)).max()), "bitwise": bool((delta == 0).all())}
+
+    from tp_jax.integrations.tunix import deviation, on_policy_logprobs
+    actor = cluster.actor_trainer.model
+    cluster.rollout.update_params(nnx.state(actor, nnx.Param))
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=16, temperature=1.0, seed=1)
+    lp = on_policy_logprobs(cluster.rollout, actor, PROMPTS * 2, config)
+    return deviation(lp["sampled"], lp["trainer"], lp["mask"])
 
 
 def main():
@@ -166,7 +155,7 @@ def main():
     if "tp_jax" in clusters:
         check = on_policy_check(clusters["tp_jax"])
         print(f"on-policy (tp_jax rollout vs Tunix compute_per_token_logps, float32, {check['tokens']} tokens): "
-              f"max |dlogp| {check['max_abs_delta']:.3g}, max |exp(dlogp) - 1| {check['max_ratio_dev']:.3g}, "
+              f"max |dlogp| {check['max_abs']:.3g}, max |exp(dlogp) - 1| {check['ratio_dev']:.3g}, "
               f"bitwise {check['bitwise']}")
 
 

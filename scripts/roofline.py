@@ -17,7 +17,10 @@ For each published config (tests/data/configs), tp, batch and context (the token
   128-token one: its cost analysis ("bytes accessed" of the module before fusion, loops unrolled) gives the bytes
   the program touches per byte of live KV (`xla_kv_per_kv_byte`). Before fusion every op counts its operands and
   result, so this is an upper bound on the reference; it is not used for the weights (there, each stacked layer's
-  slice and reshape count as copies that the compiled program does not make).
+  slice and reshape count as copies that the compiled program does not make). The same with
+  `attention_backend="pallas"` (tp_jax/models/paged_kernel.py: the decode rows' pages read in place) gives
+  `xla_kv_per_kv_byte_pallas`: XLA counts a custom call by its operands (the pool, here sized to the live KV) and
+  the pool's reshape as a copy; the kernel's declared CostEstimate is its pages read once.
 
 `*_tok_s`: batch / (bytes / 3.35 TB/s), an H100's HBM bandwidth. One JSON line per point; `--markdown` prints the
 table docs/performance.md shows.
@@ -53,7 +56,7 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def lowered_step(config: dict, layers: int, tp: int, batch: int, context: int):
+def lowered_step(config: dict, layers: int, tp: int, batch: int, context: int, backend: str = "auto"):
     """(the lowered decode program, its abstract model, the resolved setup, the pool's layout) for `config` cut to
     `layers` layers."""
     import jax
@@ -77,8 +80,8 @@ def lowered_step(config: dict, layers: int, tp: int, batch: int, context: int):
         cfg = load_config(d)
     facts = CheckpointFacts("safetensors", cfg.architecture, frozenset({None}), stored_bf16=True,
                             experts=isinstance(cfg, MoEConfig))
-    setup = resolve(EngineArgs.from_kwargs(model="roofline", tensor_parallel_size=tp), Platform("gpu", num_devices=tp),
-                    facts, cfg.max_position_embeddings)
+    setup = resolve(EngineArgs.from_kwargs(model="roofline", tensor_parallel_size=tp, attention_backend=backend),
+                    Platform("gpu", num_devices=tp), facts, cfg.max_position_embeddings)
     mesh = make_mesh(tp=tp, devices=jax.devices()[:tp])
     model = abstract_model(cfg, mesh, as_dtype(setup.dtype))
     use_layer_loop(model, mesh, setup.layer_loop)
@@ -134,9 +137,11 @@ def weight_floor(model, tp: int, batch: int) -> float:
     return total
 
 
-def xla_kv_multiplier(config: dict, tp: int, batch: int, context: int) -> float:
-    """Bytes XLA's cost analysis counts per byte of live KV, from one-layer programs at `context` and MIN_CONTEXT."""
-    (low, _, _, pool), (low0, _, _, _) = (lowered_step(config, 1, tp, batch, c) for c in (context, MIN_CONTEXT))
+def xla_kv_multiplier(config: dict, tp: int, batch: int, context: int, backend: str = "auto") -> float:
+    """Bytes XLA's cost analysis counts per byte of live KV, from one-layer programs at `context` and MIN_CONTEXT
+    (`backend`: the attention backend; "pallas": the kernel's declared CostEstimate stands for its bytes)."""
+    (low, _, _, pool), (low0, _, _, _) = (lowered_step(config, 1, tp, batch, c, backend)
+                                          for c in (context, MIN_CONTEXT))
     kv = batch * (context - MIN_CONTEXT) * pool.layout.bytes_per_token(1, tp)      # one layer's pool
     return (low.cost_analysis()["bytes accessed"] - low0.cost_analysis()["bytes accessed"]) / kv
 
@@ -170,6 +175,7 @@ def point(name: str, config: dict, model, tp: int, batch: int, context: int) -> 
             "kv_bytes": round(kv), "floor_bytes": round(floor), "reference_bytes": round(reference),
             "reference_over_floor": round(reference / floor, 3),
             "xla_kv_per_kv_byte": round(xla_kv_multiplier(config, tp, batch, context), 2),
+            "xla_kv_per_kv_byte_pallas": round(xla_kv_multiplier(config, tp, batch, context, "pallas"), 2),
             "floor_tok_s": round(batch * H100_BYTES_PER_S / floor),
             "reference_tok_s": round(batch * H100_BYTES_PER_S / reference)}
 
@@ -177,12 +183,12 @@ def point(name: str, config: dict, model, tp: int, batch: int, context: int) -> 
 def table(rows: list[dict]) -> str:
     head = ["model", "tp", "batch", "context", "weights read GB", "live KV GB", "fits 80 GB", "floor tok/s",
             "reference x floor",
-            "reference tok/s", "XLA bytes per KV byte"]
+            "reference tok/s", "XLA bytes per KV byte", "the same, pallas kernel"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append(f"| {r['model']} | {r['tp']} | {r['batch']} | {r['context']} | {r['weights_bytes'] / 1e9:.2f} | "
                      f"{r['kv_bytes'] / 1e9:.3f} | {'yes' if r['fits_h100'] else 'no'} | {r['floor_tok_s']:,} | {r['reference_over_floor']:.2f} | "
-                     f"{r['reference_tok_s']:,} | {r['xla_kv_per_kv_byte']:.1f} |")
+                     f"{r['reference_tok_s']:,} | {r['xla_kv_per_kv_byte']:.1f} | {r['xla_kv_per_kv_byte_pallas']:.1f} |")
     return "\n".join(lines)
 
 

@@ -101,8 +101,20 @@ def paged_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
         out_shape=jax.ShapeDtypeStruct((d, hkv, gp, hv), q.dtype),
         interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),       # Pallas on Triton
+        cost_estimate=cost(d, hkv, g, tables.shape[1], bs, hd, hv, q.dtype, k_pool.dtype),
         name="tp_jax_paged_decode")(*args)
     return out[:, :, :g].reshape(d, hq * hv)
+
+
+def cost(d: int, hkv: int, g: int, width: int, bs: int, hd: int, hv: int, q_dtype, kv_dtype) -> pl.CostEstimate:
+    """What a launch reads and writes at most: every row's whole table of K and V pages once (a row reads only the
+    pages its length and window reach: an upper bound), its queries and its output; two dots per key and head."""
+    import numpy as np
+    keys = d * hkv * width * bs
+    kv_bytes = keys * (hd + hv) * np.dtype(kv_dtype).itemsize
+    qo_bytes = d * hkv * g * (hd + hv) * np.dtype(q_dtype).itemsize
+    return pl.CostEstimate(flops=2 * keys * g * (hd + hv), transcendentals=keys * g,
+                           bytes_accessed=int(kv_bytes + qo_bytes + d * width * 4))
 
 
 def _no_sinks(kernel, layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref):
@@ -194,6 +206,7 @@ def paged_decode_tpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: 
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
     out = pl.pallas_call(kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct((d, hkv, gp, hv), q.dtype),
                          interpret=pltpu.InterpretParams() if interpret else False,
+                         cost_estimate=cost(d, hkv, g, width, bs, hd, hv, q.dtype, k_pool.dtype),
                          name="tp_jax_paged_decode_tpu")(*scalars, *args)
     return out[:, :, :g].reshape(d, hq * hv)
 

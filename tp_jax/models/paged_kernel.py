@@ -32,23 +32,15 @@ HEAD_TILE = 16          # query heads of a KV head padded to a multiple of this 
 NO_WINDOW = 1 << 30
 
 
-def _decode_kernel(layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *,
-                   scale: float, softcap: float | None, kv_heads: int, block_size: int):
-    row, head = pl.program_id(0), pl.program_id(1)
-    pool_row = layer_ref[0] * kv_heads + head
-    length, window = lengths_ref[row], window_ref[0]
-    span = PAGES_PER_STEP * block_size
-    first = jnp.maximum(length - window, 0) // span                 # the first step whose keys the window reaches
-    last = (length + span - 1) // span
-    q = q_ref[...].astype(jnp.float32)                               # [G, hd]
-    g, hv = q.shape[0], v_ref.shape[-1]
+def _attend_row(q, sinks, length, window, load, *, scale: float, softcap: float | None, span: int, hv: int):
+    """One row's query heads q[G, hd] (float32) over its keys, `span` at a time: `load(c)` gives step c's k, v
+    [span, hd] in float32. The loop runs over the steps its window and length reach; returns [G, hv]."""
+    g = q.shape[0]
 
     def step(c, carry):
         m, l, o = carry
-        pages = tables_ref[pl.ds(c * PAGES_PER_STEP, PAGES_PER_STEP)]
-        k = k_ref[pool_row, pages].reshape(span, -1).astype(jnp.float32)        # [span, hd]
-        v = v_ref[pool_row, pages].reshape(span, -1).astype(jnp.float32)
-        s = jnp.dot(q, k.T) * scale                                               # [G, span]
+        k, v = load(c)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         pos = c * span + jax.lax.broadcasted_iota(jnp.int32, (g, span), 1)
@@ -56,14 +48,31 @@ def _decode_kernel(layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_ref,
         top = jnp.maximum(m, s.max(axis=1))
         base = jnp.where(jnp.isfinite(top), top, 0.0)
         a, p = jnp.exp(m - base), jnp.exp(s - base[:, None])
-        return top, l * a + p.sum(axis=1), o * a[:, None] + jnp.dot(p, v)
+        return top, l * a + p.sum(axis=1), o * a[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
 
-    if sinks_ref is None:
+    if sinks is None:
         start = (jnp.full((g,), -jnp.inf, jnp.float32), jnp.zeros((g,), jnp.float32))
     else:
-        start = (sinks_ref[...].astype(jnp.float32), jnp.ones((g,), jnp.float32))
-    _, l, o = jax.lax.fori_loop(first, last, step, (*start, jnp.zeros((g, hv), jnp.float32)))
-    o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        start = (sinks.reshape(g).astype(jnp.float32), jnp.ones((g,), jnp.float32))
+    first = jnp.maximum(length - window, 0) // span                 # the first step whose keys the window reaches
+    _, l, o = jax.lax.fori_loop(first, (length + span - 1) // span, step, (*start, jnp.zeros((g, hv), jnp.float32)))
+    return o / jnp.where(l > 0, l, 1.0)[:, None]
+
+
+def _decode_kernel(layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *,
+                   scale: float, softcap: float | None, kv_heads: int, block_size: int):
+    row, head = pl.program_id(0), pl.program_id(1)
+    pool_row = layer_ref[0] * kv_heads + head
+    span = PAGES_PER_STEP * block_size
+
+    def load(c):
+        pages = tables_ref[pl.ds(c * PAGES_PER_STEP, PAGES_PER_STEP)]
+        return (k_ref[pool_row, pages].reshape(span, -1).astype(jnp.float32),
+                v_ref[pool_row, pages].reshape(span, -1).astype(jnp.float32))
+
+    o_ref[...] = _attend_row(q_ref[...].astype(jnp.float32), None if sinks_ref is None else sinks_ref[...],
+                             lengths_ref[row], window_ref[0], load, scale=scale, softcap=softcap, span=span,
+                             hv=v_ref.shape[-1]).astype(o_ref.dtype)
 
 
 def paged_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, lengths: jax.Array,
@@ -128,46 +137,23 @@ def _tpu_decode_kernel(layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_
                        width: int):
     row, head = pl.program_id(0), pl.program_id(1)
     pool_row = layer_ref[0] * kv_heads + head
-    length, window = lengths_ref[row], window_ref[0]
     span = PAGES_PER_STEP * block_size
-    first = jnp.maximum(length - window, 0) // span
-    last = (length + span - 1) // span
-    q = q_ref[...].astype(jnp.float32)
-    g, hv = q.shape[0], v_buf.shape[-1]
 
-    def copies(c):
-        out = []
+    def load(c):
+        dmas = []
         for p in range(PAGES_PER_STEP):                              # one DMA per page, K and V
             page = tables_ref[row * width + c * PAGES_PER_STEP + p]
-            out.append(pltpu.make_async_copy(k_hbm.at[pool_row, page], k_buf.at[p], sems.at[0, p]))
-            out.append(pltpu.make_async_copy(v_hbm.at[pool_row, page], v_buf.at[p], sems.at[1, p]))
-        return out
-
-    def step(c, carry):
-        m, l, o = carry
-        dmas = copies(c)
+            dmas += [pltpu.make_async_copy(k_hbm.at[pool_row, page], k_buf.at[p], sems.at[0, p]),
+                     pltpu.make_async_copy(v_hbm.at[pool_row, page], v_buf.at[p], sems.at[1, p])]
         for dma in dmas:
             dma.start()
         for dma in dmas:
             dma.wait()
-        k = k_buf[...].reshape(span, -1).astype(jnp.float32)
-        v = v_buf[...].reshape(span, -1).astype(jnp.float32)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        if softcap is not None:
-            s = softcap * jnp.tanh(s / softcap)
-        pos = c * span + jax.lax.broadcasted_iota(jnp.int32, (g, span), 1)
-        s = jnp.where((pos < length) & (pos > length - 1 - window), s, -jnp.inf)
-        top = jnp.maximum(m, s.max(axis=1))
-        base = jnp.where(jnp.isfinite(top), top, 0.0)
-        a, p = jnp.exp(m - base), jnp.exp(s - base[:, None])
-        return top, l * a + p.sum(axis=1), o * a[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+        return k_buf[...].reshape(span, -1).astype(jnp.float32), v_buf[...].reshape(span, -1).astype(jnp.float32)
 
-    if sinks_ref is None:
-        start = (jnp.full((g,), -jnp.inf, jnp.float32), jnp.zeros((g,), jnp.float32))
-    else:
-        start = (sinks_ref[...].reshape(g).astype(jnp.float32), jnp.ones((g,), jnp.float32))
-    _, l, o = jax.lax.fori_loop(first, last, step, (*start, jnp.zeros((g, hv), jnp.float32)))
-    o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    o_ref[...] = _attend_row(q_ref[...].astype(jnp.float32), None if sinks_ref is None else sinks_ref[...],
+                             lengths_ref[row], window_ref[0], load, scale=scale, softcap=softcap, span=span,
+                             hv=v_buf.shape[-1]).astype(o_ref.dtype)
 
 
 def paged_decode_tpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, lengths: jax.Array,

@@ -113,7 +113,7 @@ def test_read_kv_scales_by_vllms_rule():
 def test_fp8_reads_the_checkpoints_scales(paths):
     """The pool's bytes are numpy's float8 of the keys and values over the checkpoint's scales (layer 0: the same
     keys as the float cache's), and the prompt's logprobs are transformers' with its keys and values through that
-    round trip; compressed-tensors' kv_cache_scheme reads the same."""
+    round trip, at pp 2 too; compressed-tensors' kv_cache_scheme reads the same."""
     auto = LLM(paths["plain"], **KW)
     prompt_logprobs(auto)
     fp8 = LLM(paths["scaled"], kv_cache_dtype="fp8", **KW)
@@ -132,6 +132,8 @@ def test_fp8_reads_the_checkpoints_scales(paths):
     print(f"fp8 with checkpoint scales: |ours - transformers' round trip| {err:.2e}, the round trip's own effect "
           f"{effect:.2e}")
     assert err < 1e-4 < effect / 10
+    staged = LLM(paths["scaled"], kv_cache_dtype="fp8", pipeline_parallel_size=2, **KW)     # a layer per stage
+    assert np.abs(prompt_logprobs(staged) - want).max() < 1e-4              # each stage reads its own layer's scales
     ct = LLM(paths["ct"], kv_cache_dtype="fp8", **KW)
     np.testing.assert_array_equal(prompt_logprobs(ct), got)
     unscaled = LLM(paths["plain"], kv_cache_dtype="fp8", **KW)

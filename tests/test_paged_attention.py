@@ -13,11 +13,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from tp_jax.models.attention import attend, write_pool
-from tp_jax.models.cache import LayerCache, PagedBatch
+from tp_jax.models.cache import KVQuant, LayerCache, PagedBatch
 from tp_jax.parallel.invariant import consistent_jit
 from tp_jax.serving.batch import split_decode_rows
 
@@ -85,12 +86,14 @@ TOLERANCE = {"reference": dict(atol=2e-5, rtol=1e-5), "split_f32": dict(atol=2e-
              "bf16": dict(atol=3e-2, rtol=0)}      # bf16: operands rounded to 8 bits (|out| <~ 2 here)
 
 
-def split_f32(q, k_pool, v_pool, layer, positions, batch, scale, window, sinks=None, v_dim=None):
+def split_f32(q, k_pool, v_pool, layer, positions, batch, scale, window, sinks=None, v_dim=None, stored=None,
+              scales=None):
     """The bf16 backend's split-K decode in float32: the combine's own check, exact within float32 rounding."""
     import functools
     from tp_jax.models.attention import _chunked, _paged, split_decode
     return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, functools.partial(_chunked, sinks=sinks),
-                  functools.partial(split_decode, sinks=sinks, v_dim=v_dim), v_dim=v_dim)
+                  functools.partial(split_decode, sinks=sinks, v_dim=v_dim, stored=stored, scales=scales),
+                  v_dim=v_dim, stored=stored, scales=scales)
 
 
 @pytest.fixture(autouse=True)
@@ -237,3 +240,65 @@ def test_chunked_attention_is_the_same_whatever_the_step():
         outs.append(np.asarray(f(q, k, v, qp))[r, t])
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
+
+
+FP8 = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
+
+
+def np_quantize(x, fmt, scale=1.0):
+    """x[..., hd] float32 as a `kv_cache_dtype` pool stores it (uint8): int8 with a float16 scale max|x| / 127 per
+    row in its last two bytes, or float8 of x / scale saturated."""
+    if fmt == "int8":
+        s = (np.abs(x).max(-1, keepdims=True) / np.float32(127)).astype(np.float16)
+        q = np.clip(np.round(x / np.where(s > 0, s, 1).astype(np.float32)), -127, 127).astype(np.int8)
+        return np.concatenate([q.view(np.uint8), s.view(np.uint8)], -1)
+    big = np.float32(ml_dtypes.finfo(FP8[fmt]).max)
+    return np.clip(x / np.float32(scale), -big, big).astype(FP8[fmt]).view(np.uint8)
+
+
+def np_dequantize(rows, fmt, scale=1.0):
+    if fmt == "int8":
+        return rows[..., :-2].view(np.int8).astype(np.float32) * \
+            np.ascontiguousarray(rows[..., -2:]).view(np.float16).astype(np.float32)
+    return rows.view(FP8[fmt]).astype(np.float32) * np.float32(scale)
+
+
+@pytest.mark.parametrize("backend", ["reference", "split_f32", "bf16"])
+@pytest.mark.parametrize("fmt,scales,kind", [
+    ("int8", None, "plain"), ("int8", None, "latent"),
+    ("fp8_e4m3", (0.02, 0.5), "plain"),            # checkpoint scales: k / 0.02 saturates e4m3's 448 for |k| > 8.96
+    ("fp8_e4m3", (0.25, None), "latent"), ("fp8_e5m2", None, "plain")])
+def test_quantized_pools_against_numpy(backend, fmt, scales, kind):
+    """`kv_cache_dtype`'s pools (uint8 bits of int8 rows with their scales, or of float8 over per-tensor scales):
+    each written row's bytes equal numpy's quantization, and every backend attends over numpy's dequantized keys
+    and values (MLA's latent: the values are the keys' first channels), decode rows, split-K chunks and prefill
+    rows mixed."""
+    rows = [(12, 1), (40, 1), (0, 16), (2, 9)]
+    rng = np.random.default_rng(5)
+    k_pool, v_pool, q, k_new, v_new, pos, batch, spans = make_case(rng, rows, 16, None, 2)
+    k_new = k_new * np.linspace(0.1, 10, HD, dtype=np.float32)            # channels of very different ranges
+    ks, vs = (1.0, 1.0) if scales is None else (scales[0], scales[1] or 1.0)
+    v_dim = HD // 2 if kind == "latent" else None
+    kq, vq = np_quantize(k_pool, fmt, ks), np_quantize(v_pool, fmt, vs)
+    stored = KVQuant(np.dtype(jnp.int8 if fmt == "int8" else FP8[fmt]))
+    cache = LayerCache(jnp.asarray(kq), jnp.asarray(vq), jnp.int32(0), batch, backend, stored,
+                       None if scales is None else jnp.asarray([ks, vs], jnp.float32))
+    out, cache = jax.jit(lambda q, k, v, p, c: attend(q, k, v, p, c, scale=HD ** -0.5, v_dim=v_dim))(
+        q[None], k_new[None], None if v_dim else v_new[None], pos[None], cache)
+    out, kp, vp = np.asarray(out[0]), np.asarray(cache.k), np.asarray(cache.v)
+    if v_dim:
+        np.testing.assert_array_equal(vp, vq)                                # the value pool untouched
+    k_deq, v_deq = np_dequantize(kp[0], fmt, ks), np_dequantize(vp[0], fmt, vs)     # [Hkv, NB, bs, hd]
+    for off, new, blocks, ctx in spans:
+        for j in range(new):                       # written at its slots, as numpy quantizes
+            b, o = blocks[(ctx + j) // BS], (ctx + j) % BS
+            np.testing.assert_array_equal(kp[0, :, b, o], np_quantize(k_new[off + j], fmt, ks))
+            if not v_dim:
+                np.testing.assert_array_equal(vp[0, :, b, o], np_quantize(v_new[off + j], fmt, vs))
+        keys = np.concatenate([k_deq[:, b].swapaxes(0, 1) for b in blocks])[:ctx + new]     # [S, Hkv, hd]
+        vals = keys[..., :v_dim] if v_dim else np.concatenate([v_deq[:, b].swapaxes(0, 1) for b in blocks])[:ctx + new]
+        ref = np_attention(q[off:off + new], keys, vals, pos[off:off + new], HD ** -0.5)
+        tol = TOLERANCE[backend] if backend != "bf16" else dict(atol=3e-2 * np.abs(ref).max(), rtol=0)
+        np.testing.assert_allclose(out[off:off + new], ref, **tol)
+    if scales is not None and scales[0] < 0.1:
+        assert (np.abs(k_new) > 448 * ks).any()                             # saturation was exercised

@@ -39,6 +39,26 @@ def test_models_and_health(tiny_server, client):
     assert httpx.get(f"{tiny_server.url}/health").json() == {"status": "ok"}
 
 
+def test_metrics_and_the_start_up_log_account_for_the_kv_pool(tiny_server, tiny_path):
+    """/metrics gives KV bytes per token per device and how many max_model_len sequences fit, computed here from
+    config.json (float32, tp = 2: each device holds half the kv heads), as the start-up log line says."""
+    import json
+    import math
+    import os
+    with open(os.path.join(tiny_path, "config.json")) as f:
+        cfg = json.load(f)
+    per_token = cfg["num_hidden_layers"] * (cfg["num_key_value_heads"] // 2) * 2 * cfg["head_dim"] * 4
+    m = metrics(tiny_server.url)
+    blocks = int(m["tp_jax:kv_blocks_total"])
+    sequences = blocks // math.ceil(256 / 16)                           # --max-model-len 256, block_size 16
+    assert m["tp_jax:kv_cache_bytes_per_token"] == per_token
+    assert m["tp_jax:kv_cache_max_model_len_sequences"] == sequences
+    assert m[f'tp_jax:cache_config_info{{block_size="16",cache_dtype="auto",num_gpu_blocks="{blocks}"}}'] == 1
+    assert (f"KV cache (kv_cache_dtype auto): {blocks} blocks x 16 tokens = {blocks * 16} tokens per replica, "
+            f"{blocks * 16 * per_token / 2**20:.1f} MiB per device (float32, {per_token} bytes per token per device; "
+            f"{sequences} sequences of max_model_len=256 fit)") in tiny_server.log()
+
+
 def test_completions_whole_streamed_and_engine_agree(client, ref):
     sp = SamplingParams(max_tokens=12, temperature=0.0)
     expected = ref.generate(PROMPTS, sp)

@@ -234,6 +234,18 @@ def test_the_draft_pool_follows_the_target(gqa, draft_llm):
     assert (other.drafter.pool.layout.num_layers, c.pool.layout.num_layers) == (3, 2)
 
 
+def test_the_draft_pool_holds_the_targets_kv_cache_dtype(gqa):
+    """An int8 KV cache: the draft's pool stores the target's format (the target as its own draft: every proposal
+    stands only if both quantize alike)."""
+    path, _ = gqa
+    llm = LLM(path, speculative_config=_draft_spec(path, 4), kv_cache_dtype="int8", **ENGINE)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0.0))
+    c = llm.engine.core
+    assert c.drafter.pool.layout.quant == c.pool.layout.quant and c.drafter.pool.shape == c.pool.shape
+    assert c.pool.shape[-1] == c.pool.layout.head_dim + 2                   # int8 values, then the float16 scale
+    assert c.spec.draft_tokens > 20 and c.spec.acceptance_rate == 1.0
+
+
 def test_the_kv_budget_pays_for_both_pools():
     """A byte budget buys blocks of the target's and the draft's KV together (both pools have that many)."""
     from tp_jax.models.cache import KVLayout

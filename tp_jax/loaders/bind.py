@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from flax import nnx
 
+from tp_jax.loaders.kv_scales import is_kv_scale
 from tp_jax.parallel.layers import Entry, ParallelModule, ShardedParam, Stack, WeightShapeError, WeightTable
 from tp_jax.parallel.layers.method import DerivedParam
 from tp_jax.parallel.layers.table import TensorView, as_lazy, template_regex
@@ -205,7 +206,8 @@ def _listing(head: str, problems: list[str]) -> str:
 # --- the checkpoint against the bindings (headers only) ----------------------------------------
 
 def check_source(bindings: list[Binding], source, table: WeightTable | Sequence[Entry], num_layers: int) -> None:
-    """Every needed tensor present with its declared shape, every checkpoint tensor used: before any read."""
+    """Every needed tensor present with its declared shape, every checkpoint tensor used (KV cache scales by the
+    pool: tp_jax/loaders/kv_scales.py): before any read."""
     table = as_table(table)
     missing, wrong, used, rows_used = [], [], set(), {}
     for b in bindings:
@@ -235,7 +237,7 @@ def check_source(bindings: list[Binding], source, table: WeightTable | Sequence[
         raise MissingWeightError(_missing_message(missing, bindings, source, num_layers))
     if wrong:
         raise WeightShapeError(wrong[0] if len(wrong) == 1 else _listing("tensors with the wrong shape", wrong))
-    unused = [n for n in source.keys() if n not in used and not table.is_ignored(n)]
+    unused = [n for n in source.keys() if n not in used and not table.is_ignored(n) and not is_kv_scale(n)]
     if unused:
         raise CheckpointMismatchError(_unused_message(unused, bindings, num_layers))
     _check_rows_covered(rows_used)

@@ -94,23 +94,45 @@ def _head_sinks(sinks: jax.Array, hkv: int) -> jax.Array:
     return sinks.astype(jnp.float32).reshape(hkv, -1)
 
 
-def write_pool(pool: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array, stored=None):
+def write_pool(pool: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array, stored=None, scale=None):
     """pool[L, H, NB, bs, hd] with new[N, H, hd] written at layer `layer`, flat slots[N] (< 0: skipped). `stored`: the
-    float8 format whose bits the uint8 pool holds (scale 1.0, saturating as vLLM's cast does)."""
+    `KVQuant` whose bits the uint8 pool holds (`quantize_rows`); `scale`: the layer's per-tensor float8 scale."""
     num_blocks, block_size = pool.shape[2], pool.shape[3]
     slots = jnp.where(slots < 0, num_blocks * block_size, slots)               # out of range: dropped
-    if stored is None:
-        new = new.astype(pool.dtype)
-    else:
-        big = float(jnp.finfo(stored).max)
-        new = jax.lax.bitcast_convert_type(jnp.clip(new, -big, big).astype(stored), jnp.uint8)
+    new = new.astype(pool.dtype) if stored is None else quantize_rows(new, stored.dtype, scale)
     return pool.at[layer, :, slots // block_size, slots % block_size].set(new, mode="drop")
 
 
-def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array, dtype=None, stored=None):
+def quantize_rows(x: jax.Array, dtype, scale=None) -> jax.Array:
+    """x[..., hd] as a quantized pool stores it (tp_jax/models/cache.py KVQuant), uint8[..., hd (+ 2)]:
+
+    * float8: the bits of x / scale (1.0 when None) saturated to the format's range (vLLM's cast);
+    * int8: q = round(x / s) in [-127, 127], s = max|x| / 127 over the row in float16, its two bytes after the row's
+      values (a zero row: s = 0, read back as zeros)."""
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)                # noqa: E731
+    x = x.astype(jnp.float32)
+    if jnp.dtype(dtype) == jnp.int8:
+        s = (jnp.abs(x).max(-1, keepdims=True) / 127).astype(jnp.float16)
+        q = jnp.clip(jnp.round(x / jnp.where(s > 0, s, 1).astype(jnp.float32)), -127, 127).astype(jnp.int8)
+        return jnp.concatenate([bits(q), bits(s[..., 0])], axis=-1)
+    big = float(jnp.finfo(dtype).max)
+    return bits(jnp.clip(x if scale is None else x / scale, -big, big).astype(dtype))
+
+
+def dequantize_rows(rows: jax.Array, dtype, out_dtype, scale=None) -> jax.Array:
+    """`quantize_rows`' uint8 rows[..., hd (+ 2)] read back as x[..., hd] in `out_dtype`."""
+    if jnp.dtype(dtype) == jnp.int8:
+        q = jax.lax.bitcast_convert_type(rows[..., :-2], jnp.int8)
+        s = jax.lax.bitcast_convert_type(rows[..., -2:], jnp.float16)
+        return (q.astype(jnp.float32) * s.astype(jnp.float32)[..., None]).astype(out_dtype)
+    x = jax.lax.bitcast_convert_type(rows, dtype)
+    return x.astype(out_dtype) if scale is None else (x.astype(jnp.float32) * scale).astype(out_dtype)
+
+
+def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array, dtype=None, stored=None, scale=None):
     """The context of each row, head-major: pool[layer, :, tables[R, W]] -> [R, H, W * bs, hd], in `dtype` (a
-    float8 cache, its bits in a uint8 pool (`stored`), read back into the activations' dtype; a pool already in it:
-    no conversion).
+    quantized cache's uint8 pool (`stored`, the `KVQuant`; `scale` the layer's float8 scale) read back into the
+    activations' dtype; a pool already in it: no conversion).
 
     One gather of whole blocks, each a contiguous [bs, hd] tile: rows of the pool seen as
     [L * H * NB, bs * hd] (a free reshape), which XLA's CPU gather copies about twice as fast as
@@ -122,13 +144,13 @@ def gather_rows(pool: jax.Array, layer: jax.Array, tables: jax.Array, dtype=None
     rows = jnp.take(tiles, index, axis=0, mode="clip")                         # block ids are in range
     rows = rows.reshape(tables.shape[0], h, tables.shape[1] * bs, hd)
     if stored is not None:
-        rows = jax.lax.bitcast_convert_type(rows, stored)
+        return dequantize_rows(rows, stored.dtype, dtype, scale)
     return rows if dtype is None or rows.dtype == dtype else rows.astype(dtype)
 
 
 def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
                  batch, scale: float, window, dot_dtype=None, softcap: float | None = None, stored=None,
-                 sinks: jax.Array | None = None, v_dim: int | None = None) -> jax.Array:
+                 sinks: jax.Array | None = None, v_dim: int | None = None, scales=None) -> jax.Array:
     """The D decode rows' attention -> [D, Hq * hd], split-K over the batch's chunks (flash-decoding).
 
     Each chunk (a virtual row: `chunk_tables`, `chunk_row`, `chunk_start`) attends its row's query to
@@ -138,14 +160,17 @@ def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
     A chunk with no visible key (padding, or wholly outside a sliding window) has m = -inf and weight 0.
     `dot_dtype`: both dots' operands rounded to it, float32 accumulation (as in `attention`). `sinks[Hq]`: one
     more exp(sink - M) in each row's denominator. `v_dim`: the values are the first v_dim channels of the keys
-    (MLA's latent cache; `v_pool` is not read)."""
+    (MLA's latent cache; `v_pool` is not read). `stored`, `scales`: a quantized pool's format and the layer's
+    (k, v) float8 scales (`gather_rows`)."""
     cast = (lambda x: x) if dot_dtype is None else (lambda x: x.astype(dot_dtype))
     d, rv = batch.decode_tables.shape[0], batch.chunk_tables.shape[0]
     hq, hd = q.shape[1:]
     hkv = k_pool.shape[1]
     row = batch.chunk_row
-    k = gather_rows(k_pool, layer, batch.chunk_tables, q.dtype, stored)         # [Rv, Hkv, S, hd]
-    v = k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, batch.chunk_tables, q.dtype, stored)
+    k_scale, v_scale = (None, None) if scales is None else (scales[0], scales[1])
+    k = gather_rows(k_pool, layer, batch.chunk_tables, q.dtype, stored, k_scale)          # [Rv, Hkv, S, hd]
+    v = k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, batch.chunk_tables, q.dtype, stored,
+                                                             v_scale)
     q_rows = jnp.take(q[:d], row, axis=0, mode="fill", fill_value=0).reshape(rv, hkv, hq // hkv, hd)
     q_pos = jnp.take(positions[:d], row, axis=0, mode="fill", fill_value=-1)    # padding sees no key
     k_pos = batch.chunk_start[:, None] + jnp.arange(k.shape[2])                 # [Rv, S]
@@ -230,17 +255,19 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
 
 def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
                     batch, scale: float, window, softcap: float | None = None, sinks: jax.Array | None = None,
-                    v_dim: int | None = None, stored=None) -> jax.Array:
+                    v_dim: int | None = None, stored=None, scales=None) -> jax.Array:
     """q[N, Hq, hd] (decode rows first, then packed prefill tokens) over the pool -> [N, Hq * hd], float32.
 
     `batch`: one micro-batch's PagedBatch (tp_jax/models/cache.py); prefill_index[P, T] the flat token of each
     prefill row slot (N for padding). Every row reads its whole block table, attended in fixed-size key
     chunks (`chunked_attention`): a row's numbers never depend on the rest of the step. `sinks[Hq]`: gpt-oss's
     per-head sink logits; `v_dim`: the values are the keys' first v_dim channels (MLA's latent pool, v_pool unread);
-    `stored`: the float8 dtype whose bits a uint8 pool holds (`kv_cache_dtype`).
+    `stored`: the `KVQuant` whose bits a uint8 pool holds (`kv_cache_dtype`), `scales` f32[2] the layer's (k, v)
+    float8 scales (checkpoint scales; None: 1.0).
     """
     return _paged(q, k_pool, v_pool, layer, positions, batch, scale, window,
-                  functools.partial(_chunked, softcap=softcap, sinks=sinks), v_dim=v_dim, stored=stored)
+                  functools.partial(_chunked, softcap=softcap, sinks=sinks), v_dim=v_dim, stored=stored,
+                  scales=scales)
 
 
 def _chunked(q, k, v, q_pos, k_pos, scale, window, softcap=None, sinks=None):
@@ -249,14 +276,16 @@ def _chunked(q, k, v, q_pos, k_pos, scale, window, softcap=None, sinks=None):
 
 
 def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn, decode_fn=None, v_dim=None,
-           stored=None):
+           stored=None, scales=None):
     d, p = batch.decode_tables.shape[0], batch.prefill_tables.shape[0]
     n, hq, hd = q.shape
     hv = hd if v_dim is None else v_dim
+    k_scale, v_scale = (None, None) if scales is None else (scales[0], scales[1])
 
     def gather(tables):
-        k = gather_rows(k_pool, layer, tables, q.dtype, stored)
-        return k, (k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, tables, q.dtype, stored))
+        k = gather_rows(k_pool, layer, tables, q.dtype, stored, k_scale)
+        return k, (k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, tables, q.dtype, stored,
+                                                                        v_scale))
 
     out = jnp.zeros((n, hq * hv), q.dtype)
     if d and decode_fn is not None and batch.chunk_tables.shape[0]:          # no chunks: short tables, full width
@@ -275,7 +304,7 @@ def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn,
 
 
 def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=None, sinks=None, v_dim=None,
-               stored=None):
+               stored=None, scales=None):
     """`paged_reference` with the decode rows split-K (`split_decode`) and both dots' operands in bfloat16,
     float32 accumulation: on a CPU with AMX XLA's batched bf16 dots run faster than its float32 ones
     (docs/performance.md)."""
@@ -283,18 +312,19 @@ def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window, softca
                   functools.partial(attention, heads_first=True, dot_dtype=jnp.bfloat16, softcap=softcap,
                                     sinks=sinks),
                   functools.partial(split_decode, dot_dtype=jnp.bfloat16, softcap=softcap, sinks=sinks,
-                                    v_dim=v_dim, stored=stored), v_dim=v_dim, stored=stored)
+                                    v_dim=v_dim, stored=stored, scales=scales), v_dim=v_dim, stored=stored,
+                  scales=scales)
 
 
 def paged_pallas(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=None, sinks=None, v_dim=None,
-                 stored=None):
+                 stored=None, scales=None):
     """`paged_reference` with the decode rows attended by the Pallas kernel (tp_jax/models/paged_kernel.py: each
     row's blocks read where they lie, no gathered copy; Triton on a GPU, Pallas' interpreter on a CPU); prefill
-    rows, MLA's latent pool and a float8 pool by the reference. On a TPU the kernel's Mosaic form
+    rows, MLA's latent pool and a quantized pool (float8, int8) by the reference. On a TPU the kernel's Mosaic form
     (`paged_decode_tpu`: the pool in HBM, pages copied into VMEM by DMA)."""
     from tp_jax.models.paged_kernel import paged_decode, paged_decode_tpu
-    kw = {k: x for k, x in (("softcap", softcap), ("sinks", sinks), ("v_dim", v_dim), ("stored", stored))
-          if x is not None}
+    kw = {k: x for k, x in (("softcap", softcap), ("sinks", sinks), ("v_dim", v_dim), ("stored", stored),
+                            ("scales", scales)) if x is not None}
     d = batch.decode_tables.shape[0]
     if v_dim is not None or stored is not None or not d:
         return paged_reference(q, k_pool, v_pool, layer, positions, batch, scale, window, **kw)
@@ -327,10 +357,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array | None, positions: jax.Array
     batch = cache.batch
     k_pool, v_pool, outs = cache.k, cache.v, []
     extra = {name: value for name, value in (("softcap", softcap), ("sinks", sinks), ("v_dim", v_dim),
-                                             ("stored", cache.stored)) if value is not None}
+                                             ("stored", cache.stored), ("scales", cache.scales)) if value is not None}
+    k_scale, v_scale = (None, None) if cache.scales is None else (cache.scales[0], cache.scales[1])
     for b in range(q.shape[0]):                    # B is 1 inside the pipeline (one micro-batch)
-        k_pool = write_pool(k_pool, cache.layer, batch.slots[b], k[b], cache.stored)
+        k_pool = write_pool(k_pool, cache.layer, batch.slots[b], k[b], cache.stored, k_scale)
         if v_dim is None:
-            v_pool = write_pool(v_pool, cache.layer, batch.slots[b], v[b], cache.stored)
+            v_pool = write_pool(v_pool, cache.layer, batch.slots[b], v[b], cache.stored, v_scale)
         outs.append(impl(q[b], k_pool, v_pool, cache.layer, positions[b], batch.row(b), scale, window, **extra))
     return jnp.stack(outs), cache.replace(k=k_pool, v=v_pool)

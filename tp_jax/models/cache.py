@@ -37,6 +37,41 @@ from tp_jax.parallel.pipeline import run_pipeline
 
 
 @dataclasses.dataclass(frozen=True)
+class KVQuant:
+    """A quantized KV cache's stored format (`kv_cache_dtype`): its pools are uint8 arrays holding the bits of `dtype`
+    (XLA:CPU writes a float8 array by copying it whole; a uint8 one in place).
+
+    * float8 (e4m3, e5m2): x / s saturated to the format's range, read back as q * s, s the layer's per-tensor scale
+      (`k_scales` / `v_scales` per stacked layer, a checkpoint's; None: 1.0, as vLLM without checkpoint scales);
+    * int8: each token's row of one head (its hd channels) carries its own scale s = max|x| / 127 in float16, the
+      row's last `ROW_SCALE_BYTES` bytes; q = round(x / s), read back as q * s. A token's bytes depend on its own
+      values alone (batch-invariant, nothing calibrated)."""
+    dtype: np.dtype
+    k_scales: tuple[float, ...] | None = None
+    v_scales: tuple[float, ...] | None = None
+
+    ROW_SCALE_BYTES = 2
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes each (token, head) row carries after its values."""
+        return self.ROW_SCALE_BYTES if np.dtype(self.dtype) == np.int8 else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KVScales:
+    """Per-tensor KV scales, one (k, v) pair per layer (a checkpoint's: tp_jax/loaders/kv_scales.py); a float8
+    cache stores x / s and reads q * s."""
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+
+    def per_slot(self, layer_map: tuple[int, ...]) -> KVScales:
+        """The scales of each stacked slot (`layer_map`: slot -> layer, -1 an identity slot, whose 1.0 is never
+        read)."""
+        return KVScales(*(tuple(x[i] if i >= 0 else 1.0 for i in layer_map) for x in (self.k, self.v)))
+
+
+@dataclasses.dataclass(frozen=True)
 class KVLayout:
     """The pool a model needs: [num_layers, kv_heads, blocks, block_size, head_dim] for k, and v_head_dim for v.
 
@@ -46,6 +81,7 @@ class KVLayout:
     one copy per tp rank).
     window: every layer attends only the latest `window` keys (a query at p sees keys p - window + 1 .. p): the
     engine frees a sequence's blocks that no query still to come can see. None: some layer sees every key.
+    quant: how a quantized cache stores them (`KVQuant`; dtype is then its element dtype); None: in `dtype`.
     """
     num_layers: int
     kv_heads: int
@@ -53,15 +89,21 @@ class KVLayout:
     dtype: np.dtype
     v_head_dim: int | None = None
     window: int | None = None
+    quant: KVQuant | None = None
 
     @property
     def value_dim(self) -> int:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
+    @property
+    def row_dims(self) -> tuple[int, int]:
+        """The last axis of the k and v pools: a row's values, then its scale's bytes (int8); v: 0 for no pool."""
+        extra = 0 if self.quant is None else self.quant.scale_bytes
+        return self.head_dim + extra, self.value_dim + extra if self.value_dim else 0
+
     def bytes_per_token(self, pp: int = 1, tp: int = 1) -> int:
         """K + V bytes one token takes on one device (its pp stage's layers, its tp share of the heads)."""
-        return ((self.num_layers // pp) * (self.kv_heads // tp) * (self.head_dim + self.value_dim)
-                * np.dtype(self.dtype).itemsize)
+        return (self.num_layers // pp) * (self.kv_heads // tp) * sum(self.row_dims) * np.dtype(self.dtype).itemsize
 
 
 def _pytree(data: tuple[str, ...], meta: tuple[str, ...] = ()):
@@ -100,23 +142,26 @@ class PagedBatch:
 
 @_pytree(("k", "v", "batch"), ("backend", "stored"))
 class KVCache:
-    """The paged pool of a step. `stored`: None (k and v hold the activations' dtype), or the float8 dtype whose bits
-    uint8 pools hold (`kv_cache_dtype`: XLA:CPU writes a float8 array by copying it whole; a uint8 one in place)."""
+    """The paged pool of a step. `stored`: None (k and v hold the activations' dtype), or the `KVQuant` whose bits
+    the uint8 pools hold (`kv_cache_dtype`)."""
     k: jax.Array
     v: jax.Array
     batch: PagedBatch
     backend: str = "reference"
-    stored: np.dtype | None = None
+    stored: KVQuant | None = None
 
 
-@_pytree(("k", "v", "layer", "batch"), ("backend", "stored"))
+@_pytree(("k", "v", "layer", "batch", "scales"), ("backend", "stored"))
 class LayerCache:
+    """One layer's view; `scales`: f32[2], the layer's (k, v) per-tensor scales of a float8 cache with checkpoint
+    scales (else None)."""
     k: jax.Array
     v: jax.Array
     layer: jax.Array
     batch: PagedBatch
     backend: str = "reference"
-    stored: np.dtype | None = None
+    stored: KVQuant | None = None
+    scales: jax.Array | None = None
 
 
 def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache | None = None,
@@ -132,12 +177,14 @@ def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache 
     pools = None if cache is None else (cache.k, cache.v)
     backend = "reference" if cache is None else cache.backend
     stored = None if cache is None else cache.stored
+    tables = None if stored is None or stored.k_scales is None else np.stack([stored.k_scales, stored.v_scales], 1)
 
     def stage(h, rows, pools, valid):
         pos, batch, slots = rows
         batch = None if batch is None else batch.masked(valid)
         pp = collectives.axis_size(PP)
-        first = 0 if slot_args is None or pp == 1 else collectives.axis_index(PP) * (stack.num_layers // pp)
+        first = 0 if (slot_args is None and tables is None) or pp == 1 else \
+            collectives.axis_index(PP) * (stack.num_layers // pp)
 
         def layer_step(layer, index, h, pools):
             more = () if slot_args is None else slot_args(first + index)
@@ -145,7 +192,8 @@ def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache 
                 layer = lora.view(layer, index, slots)
             if pools is None:
                 return layer(h, pos, None, *more)[0], None
-            h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend, stored), *more)
+            scales = None if tables is None else jnp.asarray(tables, jnp.float32)[first + index]     # [2]
+            h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend, stored, scales), *more)
             return h, (lc.k, lc.v)
 
         return stack(layer_step, h, pools)

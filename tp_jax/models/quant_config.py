@@ -156,10 +156,12 @@ def _fp8(qc: dict) -> CheckpointQuant:
 
 def _compressed_tensors(qc: dict) -> CheckpointQuant:
     top = qc.get("format", "pack-quantized")
-    for field in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+    for field in ("sparsity_config", "transform_config"):
         if qc.get(field):
-            raise _refuse("compressed-tensors", top, field, "{...}", f"no {field} (dense weights, a float KV cache)")
+            raise _refuse("compressed-tensors", top, field, "{...}", f"no {field} (dense weights)")
     groups = qc.get("config_groups") or {}
+    if not groups and qc.get("kv_cache_scheme"):        # a KV-cache-only scheme: float weights, scales beside them
+        return None
     if not groups:
         raise _refuse("compressed-tensors", top, "config_groups", groups, "at least one group of quantized weights")
     bits = set()
@@ -191,6 +193,19 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
                           "false (weights quantized when saved)")
         bits.add(nbits)
     return CheckpointQuant("compressed-tensors", max(bits), 0, False, None, f"format {top}")
+
+
+def kv_cache_scheme_problem(qc) -> str | None:
+    """What keeps a float8 KV cache from reading compressed-tensors' `kv_cache_scheme` (None: nothing, or no
+    scheme): only static per-tensor scales (`k_scale` / `v_scale` tensors) are read, as vLLM's fp8 cache."""
+    scheme = (as_dict(qc) if qc is not None else {}).get("kv_cache_scheme")
+    if not scheme:
+        return None
+    want = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False}
+    bad = [f"{k}={scheme.get(k)!r}" for k, v in want.items() if scheme.get(k, v if k == "dynamic" else None) != v]
+    return None if not bad else (f"quantization_config.kv_cache_scheme has {', '.join(bad)}; an fp8 KV cache reads "
+                                 f"only static per-tensor float8 scales (type 'float', num_bits 8, strategy 'tensor', "
+                                 f"dynamic false)")
 
 
 def _mxfp4(qc: dict) -> CheckpointQuant:

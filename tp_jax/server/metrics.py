@@ -5,6 +5,9 @@ scraped, so the numbers of one scrape belong to the same moment between two step
 
     tp_jax:num_requests_running / _waiting     engine requests (an n > 1 request counts n)
     tp_jax:kv_blocks_used / _total, tp_jax:kv_cache_usage_perc
+    tp_jax:kv_cache_bytes_per_token            K + V bytes of one token on one device (the pool's layout)
+    tp_jax:kv_cache_max_model_len_sequences    sequences of max_model_len tokens the pool holds at once
+    tp_jax:cache_config_info{block_size, cache_dtype, num_gpu_blocks}   (vLLM's, value 1)
     tp_jax:prefix_cache_hit_rate, tp_jax:prefix_cache_queries_total / _hits_total (tokens)
     tp_jax:generation_tokens_total             tokens sampled by the engine (tokens out)
     tp_jax:num_preemptions_total, tp_jax:engine_steps_total
@@ -48,8 +51,12 @@ def engine_snapshot(engine) -> dict:
     core = engine.core
     used, total = core.kv_usage()
     queries, hits = core.prefix_cache_counts()
+    pool = core.pool
     return {"running": core.scheduler.num_running, "waiting": len(core.scheduler.waiting),
             "kv_blocks_used": used, "kv_blocks_total": total, "kv_usage": used / total,
+            "kv_bytes_per_token": pool.bytes_per_token, "kv_sequences": pool.sequences(core.config.max_model_len),
+            "cache_config": {"block_size": str(pool.block_size), "cache_dtype": core.config.kv_cache_dtype,
+                             "num_gpu_blocks": str(pool.num_blocks)},
             "prefix_hit_rate": hits / queries if queries else 0.0, "prefix_queries": queries, "prefix_hits": hits,
             "generated_tokens": core.stats["generated_tokens"], "preemptions": core.stats["preemptions"],
             "steps": core.stats["steps"], "constrained_tokens": core.stats["constrained_tokens"],
@@ -72,9 +79,17 @@ class _EngineCollector:
                   ("kv_blocks_used", "KV cache blocks held by requests", "kv_blocks_used"),
                   ("kv_blocks_total", "KV cache blocks in the pool (all dp replicas)", "kv_blocks_total"),
                   ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)", "kv_usage"),
+                  ("kv_cache_bytes_per_token", "KV cache bytes (K + V) of one token on one device",
+                   "kv_bytes_per_token"),
+                  ("kv_cache_max_model_len_sequences", "Sequences of max_model_len tokens the KV pool holds at once "
+                   "(all dp replicas)", "kv_sequences"),
                   ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up", "prefix_hit_rate")]
         for name, doc, key in gauges:
             yield GaugeMetricFamily(f"tp_jax:{name}", doc, value=s[key])
+        info = GaugeMetricFamily("tp_jax:cache_config_info", "The KV cache's configuration (num_gpu_blocks per dp "
+                                 "replica)", labels=list(s["cache_config"]))
+        info.add_metric(list(s["cache_config"].values()), 1)
+        yield info
         counters = [("generation_tokens", "Tokens sampled by the engine", "generated_tokens"),
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_queries"),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_hits"),

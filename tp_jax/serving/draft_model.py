@@ -59,8 +59,10 @@ class DraftModel:
         if jax.process_count() > 1:
             raise ValueError("speculative_config: a draft model runs in one process; on many hosts use "
                              "{'method': 'ngram', ...} or no speculative_config")
-        self.pool = dataclasses.replace(target_pool, layout=dataclasses.replace(model.kv_layout(),
-                                                                                dtype=target_pool.layout.dtype))
+        quant = target_pool.layout.quant      # the target's format, never its checkpoint's scales
+        quant = None if quant is None else dataclasses.replace(quant, k_scales=None, v_scales=None)
+        self.pool = dataclasses.replace(target_pool, layout=dataclasses.replace(
+            model.kv_layout(), dtype=target_pool.layout.dtype, quant=quant))
         self.runner = ModelRunner(model, mesh, self.pool, microbatches, penalties, attention_backend)
         self.microbatches, self.split_k = microbatches, split_k
 

@@ -71,19 +71,23 @@ class EngineOutput:
 
 
 class EngineCore:
-    def __init__(self, model: nnx.Module, mesh: Mesh, config: EngineSetup, eos_token_ids=(), draft_model=None):
+    def __init__(self, model: nnx.Module, mesh: Mesh, config: EngineSetup, eos_token_ids=(), draft_model=None,
+                 kv_scales=None):
         """`config`: the resolved configuration (`LLM.setup`; read, never restated). `draft_model`: the loaded
-        draft (nnx.Module, on `mesh`) of a draft-model speculative config."""
+        draft (nnx.Module, on `mesh`) of a draft-model speculative config. `kv_scales`: the checkpoint's KV scales
+        per layer (tp_jax/models/cache.py KVScales) that a float8 cache reads (`LLM.kv_scales`)."""
         self.config, self.mesh = config, mesh
         self.vocab_size = model.config.vocab_size
         self.eos = frozenset(int(t) for t in eos_token_ids)
         dp = mesh.shape[DP]
         self.microbatches = config.num_microbatches
         draft_layout = None if draft_model is None else draft_model.kv_layout()     # its pool: the same blocks
+        scales = None if kv_scales is None else kv_scales.per_slot(model.layer_map)
         plan = lambda blocks: plan_pool(model.kv_layout(), mesh, config, num_gpu_blocks=blocks,   # noqa: E731
-                                        draft_layout=draft_layout)
+                                        draft_layout=draft_layout, scales=scales)
         # every process must build the same pool: the driver decides its size from its own budget
         self.pool = plan(share_from_driver(lambda: plan(config.num_gpu_blocks).num_blocks))
+        log.info("KV cache (kv_cache_dtype %s): %s", config.kv_cache_dtype, self.pool.describe(config.max_model_len))
         self.lora = self.lora_slots = None
         if config.enable_lora:                         # the adapters' device slots, passed to every step
             from tp_jax.serving.lora import LoRASlots, LoRAWeights

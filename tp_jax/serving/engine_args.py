@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")      # vLLM's names ("fp8" is e4m3)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")      # vLLM's names ("fp8" is e4m3), and int8
 
 
 def attention_backends() -> tuple[str, ...]:
@@ -165,8 +165,9 @@ class EngineArgs:
                                     "most 2048)", count(" (tokens per sequence, prompt included; None: the "
                                                         "model's limit, at most 2048)", optional=True))
     kv_cache_dtype: str = arg("auto", "how the KV cache stores keys and values: auto (the activations' dtype), "
-                              "fp8 / fp8_e4m3 or fp8_e5m2 (float8, scale 1.0 as vLLM without checkpoint scales: a "
-                              "quarter of float32's bytes, half of bf16's; read back into the activations' dtype)",
+                              "fp8 / fp8_e4m3 or fp8_e5m2 (float8 with the checkpoint's k_scale / v_scale, else "
+                              "scale 1.0 as vLLM: a quarter of float32's bytes, half of bf16's), or int8 (a float16 "
+                              "scale per token and head: 2 more bytes a row); read back into the activations' dtype",
                               one_of(KV_CACHE_DTYPES, "a KV cache dtype"), choices=KV_CACHE_DTYPES)
     max_num_seqs: int = arg(256, "running sequences per dp replica", count(" (the most sequences generated "
                                                                            "together)"))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tp_jax.models.cache import KVLayout
+from tp_jax.models.cache import KVLayout, KVQuant, KVScales
 from tp_jax.parallel.mesh import DP, PP, TP
 
 POOL_SPEC = P(PP, TP, DP, None, None)
@@ -49,18 +49,19 @@ class PoolShape:
     block_size: int
     mesh_shape: tuple[int, int, int]   # (dp, pp, tp)
     window: int | None = None    # every layer (the draft's too) sees the latest `window` keys: older blocks are freed
+    window_blocks: int = 0       # then: the most blocks a sequence holds at once (`blocks_per_sequence`)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The k pool's global shape."""
         dp = self.mesh_shape[0]
         return (self.layout.num_layers, self.layout.kv_heads, dp * self.num_blocks, self.block_size,
-                self.layout.head_dim)
+                self.layout.row_dims[0])
 
     @property
     def v_shape(self) -> tuple[int, ...]:
         """The v pool's global shape (last axis 0 for MLA: its values are the keys' first channels)."""
-        return self.shape[:-1] + (self.layout.value_dim,)
+        return self.shape[:-1] + (self.layout.row_dims[1],)
 
     @property
     def tokens(self) -> int:
@@ -71,13 +72,26 @@ class PoolShape:
     def bytes_per_device(self) -> int:
         return self.num_blocks * block_bytes_per_device(self.layout, self.block_size, self.mesh_shape)
 
-    def describe(self) -> str:
+    @property
+    def bytes_per_token(self) -> int:
+        """K + V bytes one token takes on one device (its stage's layers, its share of the kv heads)."""
         _, pp, tp = self.mesh_shape
+        return self.layout.bytes_per_token(pp, tp)
+
+    def sequences(self, max_model_len: int) -> int:
+        """How many sequences of `max_model_len` tokens the pool holds at once, over every dp replica (under a
+        sliding window, each holds only `blocks_per_sequence`)."""
+        per_seq = math.ceil(max_model_len / self.block_size) if self.window is None else self.window_blocks
+        return self.mesh_shape[0] * (self.num_blocks // per_seq)
+
+    def describe(self, max_model_len: int | None = None) -> str:
+        fit = "" if max_model_len is None else \
+            f"; {self.sequences(max_model_len)} sequences of max_model_len={max_model_len} fit"
         window = "" if self.window is None else (f"; sliding window {self.window}: a sequence holds the blocks of "
                                                  f"its latest {self.window} tokens and the step's")
         return (f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens per replica, "
                 f"{self.bytes_per_device / 2**20:.1f} MiB per device ({np.dtype(self.layout.dtype).name}, "
-                f"{self.layout.bytes_per_token(pp, tp)} bytes per token per device){window}")
+                f"{self.bytes_per_token} bytes per token per device{fit}){window}")
 
 
 def sliding_window(layout: KVLayout, draft_layout: KVLayout | None) -> int | None:
@@ -121,23 +135,32 @@ def _available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-KV_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}   # vLLM's names
+KV_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2,   # vLLM's names
+             "int8": jnp.int8}
 
 
-def stored_layout(layout: KVLayout, kv_cache_dtype: str) -> KVLayout:
-    """`layout` as the pool stores it: "auto" the model's dtype, an fp8 name float8 (scale 1.0, as vLLM's fp8 cache
-    without checkpoint scales; the attention reads it back into the activations' dtype)."""
+def stored_layout(layout: KVLayout, kv_cache_dtype: str, scales: KVScales | None = None) -> KVLayout:
+    """`layout` as the pool stores it: "auto" the model's dtype; an fp8 name float8 with the checkpoint's per-layer
+    `scales` (None: 1.0, as vLLM's fp8 cache without them); "int8" int8 with a scale per token and head
+    (tp_jax/models/cache.py KVQuant). The attention reads it back into the activations' dtype."""
     if kv_cache_dtype in ("auto", None):
         return layout
-    return dataclasses.replace(layout, dtype=np.dtype(KV_DTYPES[kv_cache_dtype]))
+    dtype = np.dtype(KV_DTYPES[kv_cache_dtype])
+    if scales is None or dtype == np.int8:
+        return dataclasses.replace(layout, dtype=dtype, quant=KVQuant(dtype))
+    if len(scales.k) != layout.num_layers:
+        raise ValueError(f"KV cache scales for {len(scales.k)} stacked layers, the pool has {layout.num_layers}; "
+                         f"give them per stacked slot (KVScales.per_slot)")
+    return dataclasses.replace(layout, dtype=dtype, quant=KVQuant(dtype, scales.k, scales.v))
 
 
 def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None = None,
-              draft_layout: KVLayout | None = None) -> PoolShape:
+              draft_layout: KVLayout | None = None, scales: KVScales | None = None) -> PoolShape:
     """The pool's size per replica for the resolved configuration `setup` (its block_size, max_model_len,
     max_num_seqs, kv_cache_memory_bytes, gpu_memory_utilization, kv_cache_dtype; `num_gpu_blocks` as given here,
-    the driver's count on every process), or a ValueError naming the numbers and the fix."""
-    layout = stored_layout(layout, setup.kv_cache_dtype)
+    the driver's count on every process), or a ValueError naming the numbers and the fix. `scales`: the
+    checkpoint's KV scales per stacked slot (a float8 cache reads them; the draft's pool never)."""
+    layout = stored_layout(layout, setup.kv_cache_dtype, scales)
     draft_layout = None if draft_layout is None else stored_layout(draft_layout, setup.kv_cache_dtype)
     block_size, max_model_len, max_num_seqs = setup.block_size, setup.max_model_len, setup.max_num_seqs
     kv_cache_memory_bytes, gpu_memory_utilization = setup.kv_cache_memory_bytes, setup.gpu_memory_utilization
@@ -167,20 +190,19 @@ def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None
                          f"from {source}), fewer than one sequence of max_model_len={max_model_len}{held}; raise "
                          f"num_gpu_blocks to >= {per_seq} (kv_cache_memory_bytes >= {per_seq * per_block}) or "
                          f"lower max_model_len to <= {num * block_size}")
-    return PoolShape(layout, num, block_size, mesh_shape, window)
+    return PoolShape(layout, num, block_size, mesh_shape, window, per_seq if window is not None else 0)
 
 
-def stored_format(layout: KVLayout) -> np.dtype | None:
-    """The float8 dtype whose bits a pool's uint8 arrays hold (None: the pool is in its layout's dtype). XLA:CPU
+def stored_format(layout: KVLayout) -> KVQuant | None:
+    """The format whose bits a pool's uint8 arrays hold (None: the pool is in its layout's dtype). XLA:CPU
     writes into a float8 array by copying it whole (~150 ms a layer for SmolLM2's pool) and into a uint8 one in
     place."""
-    dtype = np.dtype(layout.dtype)
-    return dtype if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating) else None
+    return layout.quant
 
 
 def new_pool(shape: PoolShape, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
-    """Zeroed (k, v), allocated directly on the devices in their shards (finite: masked reads stay exact); a float8
-    layout's bits in uint8 (`stored_format`; zero bits are 0.0)."""
+    """Zeroed (k, v), allocated directly on the devices in their shards (finite: masked reads stay exact); a
+    quantized layout's bits in uint8 (`stored_format`; zero bits are 0.0, an int8 row's zero scale reads 0.0)."""
     sharding = NamedSharding(mesh, POOL_SPEC)
     dtype = jnp.uint8 if stored_format(shape.layout) else shape.layout.dtype
     k = jax.jit(lambda: jnp.zeros(shape.shape, dtype), out_shardings=sharding)

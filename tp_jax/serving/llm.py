@@ -15,6 +15,7 @@ compiled once per shape bucket.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 
@@ -52,6 +53,7 @@ def build_mesh(tp: int, pp: int, dp: int, devices=None):
 
 def checkpoint_facts(checkpoint, mesh) -> CheckpointFacts:
     """What the resolve step reads of an opened checkpoint: its format, architecture, weight types (headers only)."""
+    from tp_jax.loaders.kv_scales import has_kv_scales
     from tp_jax.loaders.model import checkpoint_weight_facts
     from tp_jax.loaders.sources import is_gguf
     from tp_jax.models.moe import MoEConfig
@@ -59,7 +61,39 @@ def checkpoint_facts(checkpoint, mesh) -> CheckpointFacts:
     types, stored_bf16 = checkpoint_weight_facts(config, source, mesh)
     stored = getattr(source, "source", source)                       # a PackedSource: the files under it
     fmt = "gguf" if is_gguf(checkpoint.path) else type(stored).__name__.removesuffix("Source").lower()
-    return CheckpointFacts(fmt, config.architecture, types, stored_bf16, experts=isinstance(config, MoEConfig))
+    return CheckpointFacts(fmt, config.architecture, types, stored_bf16, experts=isinstance(config, MoEConfig),
+                           kv_scales=has_kv_scales(source))
+
+
+def checkpoint_kv_scales(checkpoint, kv_cache_dtype: str):
+    """The checkpoint's KV scales a float8 cache reads (KVScales per layer), else None; what is not read, logged."""
+    from tp_jax.loaders.kv_scales import has_kv_scales, read_kv_scales
+    from tp_jax.models.quant_config import kv_cache_scheme_problem
+    if not kv_cache_dtype.startswith("fp8"):
+        if kv_cache_dtype != "auto" and has_kv_scales(checkpoint.source):
+            log.info("kv_cache_dtype=%s: the checkpoint's k_scale / v_scale are not read (int8 keeps a scale per "
+                     "token and head)", kv_cache_dtype)
+        return None
+    problem = kv_cache_scheme_problem(_quantization_config(checkpoint.path))
+    if problem:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: {problem}; use kv_cache_dtype='auto' or 'int8' with "
+                         f"this checkpoint")
+    scales = read_kv_scales(checkpoint.source, checkpoint.config.num_layers)
+    if scales is None:
+        log.info("kv_cache_dtype=%s: the checkpoint holds no k_scale / v_scale; every scale is 1.0 (vLLM's rule)",
+                 kv_cache_dtype)
+    else:
+        log.info("kv_cache_dtype=%s: the checkpoint's scales per layer: k %s..%s, v %s..%s", kv_cache_dtype,
+                 min(scales.k), max(scales.k), min(scales.v), max(scales.v))
+    return scales
+
+
+def _quantization_config(path: str) -> dict | None:
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return None
+    with open(config_file) as f:
+        return json.load(f).get("quantization_config")
 
 
 def engine_model_config(config, setup: EngineSetup):
@@ -98,6 +132,7 @@ class LLM:
         self.setup: EngineSetup = resolve(args, Platform.of(self.mesh), checkpoint_facts(checkpoint, self.mesh),
                                           checkpoint.config.max_position_embeddings)
         log.info(self.setup.summary())
+        self.kv_scales = checkpoint_kv_scales(checkpoint, self.setup.kv_cache_dtype)    # fp8: the checkpoint's
         self.config = engine_model_config(checkpoint.config, self.setup)
         draft = self._open_draft(self.setup.speculative_config)         # a bad draft fails before the load
         if args.num_gpu_blocks is not None or args.kv_cache_memory_bytes is not None:     # a pool too small: fail now
@@ -244,7 +279,8 @@ class LLM:
         if self._engine is None:
             from tp_jax.serving.engine import EngineCore
             from tp_jax.serving.llm_engine import LLMEngine
-            core = EngineCore(self.model, self.mesh, self.setup, self.eos_token_ids(), self.draft_model)
+            core = EngineCore(self.model, self.mesh, self.setup, self.eos_token_ids(), self.draft_model,
+                              self.kv_scales)
             structured = {k: v for k, v in self.setup.structured_outputs_config.items() if k != "backend"}
             self._engine = LLMEngine(core, self._tokenizer_or_none(), structured)
         return self._engine

@@ -69,6 +69,7 @@ class CheckpointFacts:
     quant_types: frozenset = frozenset()          # GGUF types of the weights a linear method would hold
     stored_bf16: bool = False                     # every such weight stored in bfloat16
     experts: bool = False                         # the model routes tokens to experts (an MoE feed-forward)
+    kv_scales: bool = False                       # it holds KV cache scales (k_scale / v_scale tensors)
 
     @property
     def quantized(self) -> bool:
@@ -82,7 +83,7 @@ class CheckpointFacts:
     def describe(self) -> str:
         kinds = ", ".join(sorted(str(q) for q in self.quant_types if q is not None))
         return f"{self.format} {self.architecture}" + (f" ({kinds})" if kinds else "") + \
-            (" (bfloat16)" if self.stored_bf16 else "")
+            (" (bfloat16)" if self.stored_bf16 else "") + (" (KV cache scales)" if self.kv_scales else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +193,9 @@ RULES: dict[str, list[Rule]] = {
         Rule("kv_cache_dtype is fp8", lambda f: f.args.kv_cache_dtype == "fp8", "fp8_e4m3", "named by the user "
              "(vLLM's fp8 is e4m3)"),
         _asked("kv_cache_dtype"),
+        Rule("the checkpoint holds KV cache scales", lambda f: f.checkpoint.kv_scales, "auto",
+             "the activations' dtype: a quantized cache only when named (kv_cache_dtype='fp8' reads the checkpoint's "
+             "k_scale / v_scale)"),
         Rule("otherwise", lambda f: True, "auto", "the activations' dtype: a quantized cache only when named"),
     ],
     "attention_backend": [

@@ -49,7 +49,7 @@ class ModelRunner:
         specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, P))
         self.weights, treedef = jax.tree.flatten(state)     # flat: an nnx State costs ms to flatten per call
         self.k, self.v = new_pool(pool, mesh)
-        stored = stored_format(pool.layout)          # a float8 KV cache: its bits in uint8 pools
+        stored = stored_format(pool.layout)          # a quantized KV cache: its bits in uint8 pools
         self.compiled_shapes: set[StepShape] = set()
 
         def forward(weights, packed, k, v, adapters, *prompt, shape, prompt_k):

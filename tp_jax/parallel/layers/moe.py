@@ -260,13 +260,35 @@ class Experts(ParallelModule):
         u = jnp.clip(u, -self.swiglu_limit, self.swiglu_limit)
         return ((u + 1.0) * (g * jax.nn.sigmoid(self.swiglu_alpha * g))).astype(self.param_dtype)
 
-    def _kernel(self, name: str, slot: jax.Array | None = None) -> jax.Array:
-        """This rank's stacked kernel `name` (its experts `slot`, or all), in the model's dtype (the method's)."""
-        return self.method.expert_kernel(self, name, slot, self.param_dtype)
+    def local_kernel_shape(self, name: str) -> tuple[int, int]:
+        """[in, out] of one expert's kernel `name` on a rank (the intermediate width split over tp in the TP
+        layout)."""
+        d, f = self.hidden_size, self.local_width()
+        return {"gate_up": (d, 2 * f), "down": (f, d)}[name]
 
-    def _scaled(self, y: jax.Array, name: str, slot: jax.Array | None = None) -> jax.Array:
-        """y [..., out] (slot given: one row per slot) times what the method factored out of kernel `name`."""
-        return self.method.expert_scaled(self, y, name, slot)
+    def local_width(self) -> int:
+        """One expert's intermediate width on a rank: F under EP, F / tp in the TP layout."""
+        return self.intermediate_size if self.slots is not None else self.intermediate_size // self.tp_size
+
+    def _product(self, name: str, slot: jax.Array | None, experts: int, dot, rows: jax.Array | None = None):
+        """`dot(kernel)` -> [..., out] float32 with kernel `name` of the experts `slot` (None: every local one),
+        scaled by the method (`rows`: the slot of each product row, when it is not `slot`: ragged's sorted rows):
+        built and multiplied in `expert_tiles` tiles of output columns (a kernel the method converts, int8 or
+        packed, is never whole in float: each tile is built, multiplied and dropped), the tiles' products side
+        by side. `experts`: how many experts' kernels one tile spans (sets its size)."""
+        n = self.method.expert_tiles(self, name, experts)
+        rows = slot if rows is None else rows
+        if n == 1:
+            return self.method.expert_scaled(self, dot(self.method.expert_kernel(self, name, slot, self.param_dtype)),
+                                             name, rows)
+        size = self.local_kernel_shape(name)[1] // n
+
+        def tile(i):
+            cols = (i * size, size)
+            w = self.method.expert_kernel(self, name, slot, self.param_dtype, cols)
+            return self.method.expert_scaled(self, dot(w), name, rows, cols)
+        y = jax.lax.map(tile, jnp.arange(n))                                    # [n, ..., size]
+        return jnp.moveaxis(y, 0, -2).reshape(*y.shape[1:-1], n * size)
 
     def _biased(self, y: jax.Array, name: str, slot: jax.Array | None = None) -> jax.Array:
         """y [..., out] (slot given: one row per slot; else [E_local, M, out]) plus kernel `name`'s bias, if any.
@@ -296,15 +318,13 @@ class Experts(ParallelModule):
     def gather_tile(self) -> int:
         """Assignments per gathered tile: as many as GATHER_TILE_BYTES of their experts' weights in the model's dtype
         (what `_kernel` gathers, a packed method's dequantized; a fixed number for the model, never the step's)."""
-        f = self.intermediate_size if self.slots is not None else self.intermediate_size // self.tp_size
-        per = 3 * self.hidden_size * f * jnp.dtype(self.param_dtype).itemsize     # gate, up and down of one expert
+        per = 3 * self.hidden_size * self.local_width() * jnp.dtype(self.param_dtype).itemsize   # gate, up, down
         return max(1, GATHER_TILE_BYTES // per)
 
     def _gather_rows(self, xs, slot):
-        h = jnp.einsum("ad,adf->af", xs, self._kernel("gate_up", slot), preferred_element_type=jnp.float32)
-        h = self._biased(self._scaled(h, "gate_up", slot), "gate_up", slot)
-        o = jnp.einsum("af,afd->ad", self._swiglu(h), self._kernel("down", slot), preferred_element_type=jnp.float32)
-        return self._biased(self._scaled(o, "down", slot), "down", slot)
+        h = self._product("gate_up", slot, 1, lambda w: _dot("ad,adf->af", xs, w))
+        a = self._swiglu(self._biased(h, "gate_up", slot))
+        return self._biased(self._product("down", slot, 1, lambda w: _dot("af,afd->ad", a, w)), "down", slot)
 
     def _dense(self, x, slot, held, w, k):
         """Every local expert on every token as batched GEMMs (one read of the local weights per tile of rows),
@@ -315,12 +335,11 @@ class Experts(ParallelModule):
 
     def _dense_rows(self, x, slot, w):
         m = x.shape[0]
-        xe = jnp.broadcast_to(x, (self.local_experts, *x.shape))               # batched form: XLA:CPU's
-        h = jnp.einsum("emd,edf->emf", xe, self._kernel("gate_up"),          # (md,edf measured slower)
-                       preferred_element_type=jnp.float32)
-        h = self._biased(self._scaled(h, "gate_up"), "gate_up")
-        o = jnp.einsum("emf,efd->emd", self._swiglu(h), self._kernel("down"), preferred_element_type=jnp.float32)
-        o = self._biased(self._scaled(o, "down"), "down")                      # [E_local, M, D]
+        e = self.local_experts
+        xe = jnp.broadcast_to(x, (e, *x.shape))                               # batched form: XLA:CPU's
+        h = self._product("gate_up", None, e, lambda k: _dot("emd,edf->emf", xe, k))   # (md,edf measured slower)
+        a = self._swiglu(self._biased(h, "gate_up"))
+        o = self._biased(self._product("down", None, e, lambda k: _dot("emf,efd->emd", a, k)), "down")  # [E, M, D]
         return _combine(o[slot, jnp.arange(m)[:, None]], w)                     # [M, k, D] -> [M, D]
 
     def _ragged(self, x, slot, held, w, k):
@@ -330,12 +349,22 @@ class Experts(ParallelModule):
         tok = order // k
         xs = x[tok]                                                             # [A, D], expert-sorted
         sorted_slot = jnp.where(held, slot, 0)[order]
-        h = jax.lax.ragged_dot(xs, self._kernel("gate_up"), sizes, preferred_element_type=jnp.float32)
-        h = self._biased(self._scaled(h, "gate_up", sorted_slot), "gate_up", sorted_slot)
-        o = jax.lax.ragged_dot(self._swiglu(h), self._kernel("down"), sizes, preferred_element_type=jnp.float32)
-        o = self._biased(self._scaled(o, "down", sorted_slot), "down", sorted_slot)
+        e = self.local_experts
+        h = self._product("gate_up", None, e, lambda k: _ragged_dot(xs, k, sizes), rows=sorted_slot)
+        a = self._swiglu(self._biased(h, "gate_up", sorted_slot))
+        o = self._product("down", None, e, lambda k: _ragged_dot(a, k, sizes), rows=sorted_slot)
+        o = self._biased(o, "down", sorted_slot)
         o = jnp.where(held[order][:, None], o, 0.0) * w[order][:, None]
         return jnp.zeros((x.shape[0], o.shape[-1]), jnp.float32).at[tok].add(o)
+
+
+def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum(spec, x, w) accumulated in float32, x in the kernel's dtype (a packed method's "bf16" dot: bf16)."""
+    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(x.astype(w.dtype), w, sizes, preferred_element_type=jnp.float32)
 
 
 def _combine(o: jax.Array, w: jax.Array) -> jax.Array:

@@ -166,7 +166,11 @@ RULES: dict[str, list[Rule]] = {
              lambda f: _packed(f) and f.args.dtype != "auto", lambda f: f.checkpoint.packed_method,
              "its packed weights kept (the checkpoint's bytes), each tile dequantized exactly inside a dot in the "
              "named dtype"),
-        Rule("a GPTQ / AWQ / FP8 / compressed-tensors / MXFP4 checkpoint on CPU", lambda f: _packed(f) and _cpu(f),
+        Rule("an MXFP4 checkpoint on CPU", lambda f: f.checkpoint.packed_method == "mxfp4" and _cpu(f), "mxfp4",
+             "its FP4 codes and E8M0 exponents kept (the checkpoint's bytes), each tile dequantized exactly inside "
+             "a float32 dot: the checkpoint's weights exactly, measured as fast as bf16 dots on the tiny gpt-oss "
+             "(docs/performance.md), whose rounding of x moved its logits by 0.1"),
+        Rule("a GPTQ / AWQ / FP8 / compressed-tensors checkpoint on CPU", lambda f: _packed(f) and _cpu(f),
              lambda f: f.checkpoint.packed_method + "_bf16",
              "its packed weights kept (the checkpoint's bytes); each tile dequantized, rounded to bf16, "
              "bf16 x bf16 -> float32 dots, as for a GGUF"),

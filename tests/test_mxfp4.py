@@ -502,3 +502,107 @@ def test_orbax_copy_keeps_the_blocks(gpt_oss_mxfp4, tmp_path):
     for name in (PREFIX + "gate_up_proj", PREFIX + "down_proj"):
         assert np.array_equal(kept.get(name)[...], src.get(name)[...])
         assert np.array_equal(np.asarray(f32.get(name)[...]), src.get(name)[...])
+
+
+# --- (f) kept packed: the codes and exponents as stored, dequantized inside the expert GEMMs -----------------------
+
+def test_packed_rows_are_the_stored_codes_and_exponents():
+    """`MXFP4Tensor.expert(e)`: the packed [out, in] weight of expert e: its codes and E8M0 exponents as stored (any
+    slice), its float slices the float tensor's transposed; the jax decoders give FP4's 16 values (bit for bit, -0
+    included) and 2^(s - 127) for every finite exponent."""
+    from tp_jax.parallel.layers.packed import e2m1_to_float32, e8m0_to_float32
+    codes, exps = random_pair(6, 3, 40, 128)
+    t = MXFP4Tensor("x", *pack(codes, exps))
+    rows = t.expert(2)
+    assert rows.shape == (40, 128) and rows.kind == "fp4" and rows.quant_type == "mxfp4"
+    assert np.array_equal(rows.values(slice(None), slice(None)), codes[2])
+    assert np.array_equal(rows.values(slice(3, 9), slice(40, 70)), codes[2, 3:9, 40:70])
+    assert np.array_equal(rows.scales(slice(5, 7), slice(1, 3)), exps[2, 5:7, 1:3])
+    assert np.array_equal(rows.groups(slice(30, 70)), np.arange(30, 70) // 32)
+    assert np.array_equal(rows[2:9, 31:65], t[2][31:65, 2:9].T)
+    got = np.asarray(e2m1_to_float32(jnp.arange(16, dtype=jnp.uint8)))
+    assert np.array_equal(got.view(np.int32), FP4_VALUES.view(np.int32))
+    s = np.arange(1, 255, dtype=np.uint8)
+    assert np.array_equal(np.asarray(e8m0_to_float32(jnp.asarray(s))), np.ldexp(np.float32(1), s.astype(np.int32) - 127))
+    with pytest.raises(IndexError, match="has 3 experts, not expert 3"):
+        t.expert(3)
+
+
+def packed_experts(e: int, d: int, f: int, seed: int = 0):
+    """(float `Experts` holding the dequantized kernels, the same experts kept as MXFP4 codes and exponents), tp 1,
+    gpt-oss's activation and biases."""
+    from tp_jax.parallel.layers.moe import Experts
+    from tp_jax.parallel.layers.packed import PackedExperts, PackedWeight
+    from tp_jax.parallel.mesh import make_mesh
+    rng = np.random.default_rng(seed)
+    fp4 = PackedWeight("mxfp4", "fp4", 32, scale_dtype="uint8")
+    with jax.set_mesh(make_mesh(devices=jax.devices()[:1])):
+        dense = Experts(e, d, f, bias=True, activation="swigluoai", interleaved=True, rngs=nnx.Rngs(0))
+        kept = Experts(e, d, f, bias=True, activation="swigluoai", interleaved=True, rngs=nnx.Rngs(0))
+        kept.use_method(PackedExperts((("gate_up", fp4), ("down", fp4))))
+    for name, out, inp in (("gate_up", 2 * f, d), ("down", d, f)):
+        codes, exps = random_pair(int(rng.integers(1 << 30)), e, out, inp)
+        blocks, scales = pack(codes, exps)
+        getattr(kept, name).set_value(jnp.asarray(blocks.reshape(e, out, inp // 2)))
+        getattr(kept, name + "_scale").set_value(jnp.asarray(scales))
+        getattr(dense, name).set_value(jnp.asarray(unpacked(codes, exps)))
+        bias = jnp.asarray(rng.normal(0, 0.1, (e, out)).astype(np.float32))
+        for layer in (dense, kept):
+            getattr(layer, name + "_bias").set_value(bias)
+    return dense, kept
+
+
+@pytest.mark.parametrize("tile_bytes", [None, 4096], ids=["one-tile", "tiles"])
+@pytest.mark.parametrize("dispatch", ["gather", "dense", "ragged"])
+def test_packed_experts_are_the_float_experts_under_every_dispatch(dispatch, tile_bytes, monkeypatch):
+    """The experts kept as MXFP4, float32: each dispatch's output equals the float experts' (the dequantized weights
+    exactly; only the sums' order may differ: 2e-6 of the output's scale), in one tile or built tile by tile
+    (`expert_tiles` > 1)."""
+    from tp_jax.parallel.layers import method
+    if tile_bytes:
+        monkeypatch.setattr(method, "TILE_BYTES", tile_bytes)
+    dense, kept = packed_experts(4, 64, 64)
+    assert (kept.method.expert_tiles(kept, "gate_up", 4) > 1) == bool(tile_bytes)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(6, 64)).astype(np.float32))
+    ids = jnp.asarray(np.array([[0, 1], [2, 3], [1, 1], [3, 0], [2, 2], [0, 3]], np.int32))
+    w = jnp.asarray(rng.uniform(size=(6, 2)).astype(np.float32))
+    want = np.asarray(dense(x, ids, w, dispatch))
+    got = np.asarray(kept(x, ids, w, dispatch))
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max(), np.abs(got - want).max()
+
+
+def test_no_dispatch_converts_the_local_experts_whole():
+    """Compiled (nothing allocated): the scratch memory of a prefill-sized step (256 tokens) of 8 MXFP4 experts under
+    the dense and ragged dispatches exceeds the float experts' own step (which converts nothing) by less than half of
+    the experts in float32 (12.6 MB), where converting them whole would take all of it."""
+    from tp_jax.parallel.mesh import make_mesh
+    layers = packed_experts(8, 256, 512)
+    experts_f32 = 3 * 8 * 256 * 512 * 4
+    args = (jax.ShapeDtypeStruct((256, 256), jnp.float32), jax.ShapeDtypeStruct((256, 2), jnp.int32),
+            jax.ShapeDtypeStruct((256, 2), jnp.float32))
+
+    def temp(layer, dispatch):
+        graph, state = nnx.split(layer)
+        with jax.set_mesh(make_mesh(devices=jax.devices()[:1])):
+            step = jax.jit(lambda s, x, i, w: nnx.merge(graph, s)(x, i, w, dispatch))
+            return step.lower(state, *args).compile().memory_analysis().temp_size_in_bytes
+    for dispatch in ("dense", "ragged"):
+        float_temp, kept_temp = (temp(layer, dispatch) for layer in layers)
+        assert kept_temp - float_temp < experts_f32 / 2, (dispatch, kept_temp, float_temp, experts_f32)
+
+
+def test_a_nan_exponent_is_refused_when_kept(tmp_path):
+    """E8M0's NaN code (255) in an expert kept packed: a QuantizationError naming the tensor and the fix (the float
+    path reads it as transformers does)."""
+    from tp_jax.parallel.layers.method import QuantizationError
+    from tp_jax.parallel.layers.packed import PackedWeight, rank_block
+    from tp_jax.parallel.layers.loading import PartRows, ShardedParam
+    codes, exps = random_pair(7, 1, 8, 64)
+    exps[0, 3, 1] = 255
+    rows = MXFP4Tensor("x", *pack(codes, exps)).expert(0)
+    weight = ShardedParam({"weight": PartRows((8, 64), np.arange(8)[None])}, split=0)
+    fp4 = PackedWeight("mxfp4", "fp4", 32, scale_dtype="uint8")
+    assert np.array_equal(rank_block(fp4, weight, "", 0, {"weight": rows}, {}), pack(codes, exps)[0].reshape(8, 32))
+    with pytest.raises(QuantizationError, match=r"MXFP4Rows\('x', expert 0.*E8M0 scale 255.*quantization=None"):
+        rank_block(fp4, weight, "_scale", 0, {"weight": rows}, {})

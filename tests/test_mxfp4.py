@@ -15,8 +15,10 @@ Checked: the reader equals `convert_moe_packed_tensors` bit for bit (float32 and
 every exponent), any slice equals the whole's slice; the config is accepted with its `modules_to_not_convert`
 and refused for fields Mxfp4Config does not have; a checkpoint directory shows `X` in place of the pair; a
 device reads only its experts' (EP) or its rows' (TP) bytes, and loads the dequantized weights; a tiny gpt-oss
-with MXFP4 experts matches transformers on the dequantized experts (5e-4) through `LLM`; an Orbax copy keeps the
-blocks.
+with MXFP4 experts kept packed (the default) matches transformers on the dequantized experts (5e-4) through `LLM`
+at tp 1, tp 2 and dp 2 x tp 2 with EP, each device holding its share of the stored bytes; an Orbax copy keeps the
+blocks; kept packed, the experts are the stored codes and exponents, equal to the float experts under every
+dispatch, and no dispatch converts them whole.
 """
 
 import json

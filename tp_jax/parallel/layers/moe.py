@@ -36,6 +36,9 @@ Dispatch (local): assignments (token, choice) are either
   than the others by scripts/bench_moe.py), or
 * "dense": every local expert on every token as batched GEMMs, each token keeping its k experts'
   outputs: each local weight read once per tile of 32 tokens.
+Each dispatch multiplies by its kernels through `_product`: a method whose kernel is a conversion (int8 values,
+packed blocks: GPTQ, FP8, MXFP4, ...) builds it one tile of output columns at a time (`ExpertMethod.expert_tiles`),
+so no dispatch holds the local experts converted to float at once (scripts/bench_moe_memory.py).
 "auto": on CPU gather, for every step (the numeric contract, docs/design.md: what auto picks never depends on the
 step's size). Gather's dots have one shape per assignment, so a token's numbers are its own whatever the step;
 dense's batched dots over the experts gave a token other bits alone than among 32 others, and gather and dense
@@ -113,8 +116,9 @@ class Experts(ParallelModule):
     `method`: an `ExpertMethod` (layers/method.py): `Unquantized` (the float kernels) or, after
     `use_method(Int8())`, int8 kernels of the same shapes with per-expert output-channel scales
     `gate_up_scale[E_slots, 2F_local]`, `down_scale[E_slots, D]` (layers/int8.py), or packed ones
-    (`PackedExperts`, layers/packed.py); the loader picks it like a linear layer's (kind EXPERTS). Biases stay
-    float under any method (added after the scaled dot).
+    (`PackedExperts`, layers/packed.py: GPTQ / AWQ / FP8 / compressed-tensors, gpt-oss's MXFP4); the loader
+    picks it like a linear layer's (kind EXPERTS). Biases stay float under any method (added after the scaled
+    dot).
     """
     weight_name, weight_kind = "gate_up", EXPERTS
 
@@ -317,7 +321,8 @@ class Experts(ParallelModule):
 
     def gather_tile(self) -> int:
         """Assignments per gathered tile: as many as GATHER_TILE_BYTES of their experts' weights in the model's dtype
-        (what `_kernel` gathers, a packed method's dequantized; a fixed number for the model, never the step's)."""
+        (what a float method's gather copies; a packed method's tiles are smaller: `_product`); a fixed number for
+        the model, never the step's."""
         per = 3 * self.hidden_size * self.local_width() * jnp.dtype(self.param_dtype).itemsize   # gate, up, down
         return max(1, GATHER_TILE_BYTES // per)
 

@@ -1,4 +1,4 @@
-"""PackedWeight: a published quantized checkpoint's weights (GPTQ, AWQ, FP8, compressed-tensors) kept quantized.
+"""PackedWeight: a published quantized checkpoint's weights (GPTQ, AWQ, FP8, compressed-tensors, MXFP4) kept quantized.
 
 The checkpoint tensors are `PackedTensor`s (tp_jax/loaders/packed.py): integer values q (4- or 8-bit,
 unsigned) or FP8 values, a scale and a zero point per group of inputs, and each input's group. One rank's
@@ -7,12 +7,14 @@ block is rebuilt from them in one layout, whatever the format, [out, ...] like t
     <weight>         uint8 [out, in/2] (4-bit: byte j of each run of L inputs holds input j in its low
                      nibble and input j + L/2 in its high one, so the dot splits x, never the weight;
                      act order: inputs 2j and 2j + 1), or FP8's e4m3 bit patterns (uint8 [out, in]),
-                     or uint8 [out, in] (8-bit)
+                     or uint8 [out, in] (8-bit), or MXFP4's FP4 e2m1 codes uint8 [out, in/2] in its stored
+                     order (byte j holds inputs 2j (low nibble) and 2j + 1)
     <weight>_scale   [out, in / L] in the checkpoint scales' dtype: one column per run of L inputs of the block
+                     (MXFP4: its E8M0 exponent bytes s, uint8: the scale is 2^(s - 127))
     <weight>_zero    uint8, the same shape (not for FP8, nor for a symmetric scheme: its one zero point is
                      the method's `zero`, e.g. 8 for 4-bit, checked against any stored zero points)
 
-    w[o, i] = (q[o, i] - zero[o, i // L]) * scale[o, i // L]        (FP8: q[o, i] * scale[o, i // L])
+    w[o, i] = (q[o, i] - zero[o, i // L]) * scale[o, i // L]        (FP8, FP4: q[o, i] * scale[o, i // L])
 
 L (`local_group`) is the largest run length that divides every rank's input columns into runs of one
 group each: the group size when a row-parallel split keeps groups whole, smaller when a tp cuts a group
@@ -180,8 +182,9 @@ class PackedExperts(LinearMethod, ExpertMethod):
     """Stacked MoE experts (`Experts`: gate_up, down) held as `PackedWeight`s, one per param (`methods`: name ->
     its 2-D method), each expert's params stacked `[E_slots, ...]` and split like the float experts (each
     expert's rows or columns over tp; whole experts over dp x tp under EP). The expert GEMMs read their
-    kernels through `expert_kernel`: the experts a step reads, dequantized to the run's dtype (weight-only,
-    as int8 experts are cast), in float32 exactly the checkpoint's weights."""
+    kernels through `expert_kernel`, one tile of output rows at a time (`expert_tiles`): the experts a step
+    reads, dequantized in float32 (exactly the checkpoint's weights), in the run's dtype or, for the "bf16" dot,
+    bfloat16 (x rounded to bf16 too, float32 sums); weight-only, as int8 experts are cast."""
     methods: tuple[tuple[str, PackedWeight], ...]
     name: ClassVar[str] = "packed"
     kinds: ClassVar[tuple[str, ...]] = (EXPERTS,)

@@ -1,7 +1,8 @@
 """Peak temporary memory of one MoE experts step per dispatch and expert method, from XLA's compiled program, one
-JSON line per case.
+JSON line per case (and, with --time N, the step's median seconds over N runs on zero weights).
 
-    python scripts/bench_moe_memory.py [--sizes tiny gpt-oss-20b] [--tokens 8 512]
+    python scripts/bench_moe_memory.py [--sizes tiny gpt-oss-20b] [--tokens 8 512] [--methods ...]
+                                       [--dispatches gather dense ragged] [--time 0]
 
 The routed experts of one layer (`Experts`, tp 1: every expert local) under each method: float32 and bf16 kernels
 (what a dequantized MXFP4 checkpoint held), "mxfp4" (FP4 codes + E8M0 exponents), GPTQ 4-bit, FP8 and int8, with
@@ -36,9 +37,10 @@ def methods():
             "fp8": (packed("fp8", "fp8", 32), jnp.float32), "int8": (Int8(), jnp.float32)}
 
 
-def temp_bytes(size: str, method, dtype, dispatch: str, tokens: int) -> int:
+def measure(size: str, method, dtype, dispatch: str, tokens: int, runs: int) -> dict:
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
     from tp_jax.parallel.layers.moe import Experts
     from tp_jax.parallel.mesh import make_mesh
@@ -54,7 +56,22 @@ def temp_bytes(size: str, method, dtype, dispatch: str, tokens: int) -> int:
     with jax.set_mesh(make_mesh(devices=jax.devices()[:1])):
         graph, state = nnx.split(nnx.eval_shape(make))
         step = jax.jit(lambda s, x, ids, w: nnx.merge(graph, s)(x, ids, w, dispatch))
-        return step.lower(state, *args).compile().memory_analysis().temp_size_in_bytes
+        compiled = step.lower(state, *args).compile()
+        out = {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+        if runs:
+            import time
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), state)
+            x = jnp.ones((tokens, d), dtype)
+            ids = jnp.asarray(np.arange(tokens * k).reshape(tokens, k) % e, jnp.int32)
+            w = jnp.full((tokens, k), 1.0 / k, jnp.float32)
+            compiled(zeros, x, ids, w).block_until_ready()
+            times = []
+            for _ in range(runs):
+                t = time.perf_counter()
+                compiled(zeros, x, ids, w).block_until_ready()
+                times.append(time.perf_counter() - t)
+            out["median_s"] = round(float(np.median(times)), 5)
+        return out
 
 
 def main():
@@ -63,6 +80,7 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 512])
     ap.add_argument("--methods", nargs="+", default=None)
     ap.add_argument("--dispatches", nargs="+", default=["gather", "dense", "ragged"])
+    ap.add_argument("--time", type=int, default=0, help="runs to time each step (0: memory only)")
     args = ap.parse_args()
     import tp_jax
     table = methods()
@@ -77,7 +95,7 @@ def main():
                     if isinstance(method, Exception):
                         line["error"] = str(method)
                     else:
-                        line["temp_bytes"] = temp_bytes(size, method, dtype, dispatch, tokens)
+                        line.update(measure(size, method, dtype, dispatch, tokens, args.time))
                     print(json.dumps(line), flush=True)
 
 

@@ -474,6 +474,20 @@ def test_gpt_oss_mxfp4_matches_transformers(gpt_oss_mxfp4, dp, tp, ep):
         assert np.array_equal(default.get_logits(ids), llm.get_logits(ids))
 
 
+@pytest.mark.default_compile          # batch invariance is a promise at XLA's default LLVM level (docs/design.md)
+def test_the_default_is_batch_invariant(gpt_oss_mxfp4):
+    """The CPU default on the MXFP4 checkpoint (experts kept packed, gather dispatch): a request's tokens and logprobs
+    are the same alone and beside others."""
+    from tp_jax.serving.llm import LLM
+    from tp_jax.serving.sampling import SamplingParams
+    llm = LLM(gpt_oss_mxfp4[0], tensor_parallel_size=2, progress=False, compile_cache=False)
+    assert llm.setup.quantization == "mxfp4" and llm.setup.batch_invariant
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    alone = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    beside = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], params)[1].outputs[0]
+    assert alone.token_ids == beside.token_ids and alone.logprobs == beside.logprobs
+
+
 def test_gpt_oss_mxfp4_bf16_dot_bound(gpt_oss_mxfp4):
     """quantization="mxfp4_bf16" (x rounded to bf16 at each expert dot, the dequantized weights exact in bf16,
     float32 sums): logits within 0.2 of transformers (measured 0.10 on this model, whose largest |logit| is 10.4);

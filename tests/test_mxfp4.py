@@ -395,12 +395,11 @@ GPT_OSS = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_
 PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15], [5, 17, 200, 42, 9], [299, 3, 77, 150]]
 
 
-@pytest.fixture(scope="module")
-def gpt_oss_mxfp4(tmp_path_factory):
-    """A tiny gpt-oss checkpoint as the published ones are stored: experts MXFP4 (quantized by the rule above from
-    transformers' random float model), everything else float; the reference is transformers on the dequantized
-    experts (its float model holding exactly the weights the blocks and scales say)."""
-    pytest.importorskip("tp_jax.models.gpt_oss")
+def write_tiny_gpt_oss_mxfp4(path: str):
+    """A tiny gpt-oss checkpoint at `path` as the published ones are stored: experts MXFP4 (quantized by the rule
+    above from transformers' random float model), everything else float32. Returns (ids [4, 11], transformers'
+    logits for them, its greedy tokens for `PROMPTS`): the reference is transformers on the dequantized experts (its
+    float model holding exactly the weights the blocks and scales say). scripts/bench_mxfp4.py writes it too."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -417,7 +416,6 @@ def gpt_oss_mxfp4(tmp_path_factory):
                 codes, exps = quantize(w)
                 packed[n + "_blocks"], packed[n + "_scales"] = pack(codes, exps)
                 p.copy_(torch.from_numpy(unpacked(codes, exps)))
-    path = str(tmp_path_factory.mktemp("gpt_oss") / "mxfp4")
     model.save_pretrained(path, safe_serialization=True)
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
@@ -429,7 +427,15 @@ def gpt_oss_mxfp4(tmp_path_factory):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({**config, "quantization_config": GPT_OSS_QC}, f)
     ids = np.random.default_rng(0).integers(0, GPT_OSS["vocab_size"], size=(4, 11))
-    return (path, ids, *logits_and_greedy(model, ids, PROMPTS, max_new_tokens=6))
+    return (ids, *logits_and_greedy(model, ids, PROMPTS, max_new_tokens=6))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    """(path, ids, logits, greedy) of `write_tiny_gpt_oss_mxfp4`."""
+    pytest.importorskip("tp_jax.models.gpt_oss")
+    path = str(tmp_path_factory.mktemp("gpt_oss") / "mxfp4")
+    return (path, *write_tiny_gpt_oss_mxfp4(path))
 
 
 def expert_bytes_bound(llm, path: str) -> tuple[int, int]:

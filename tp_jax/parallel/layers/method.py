@@ -226,6 +226,7 @@ class ExpertMethod(abc.ABC):
     weight-only: `expert_kernel` gives the kernel (or a tile of its output columns) in the dtype the dot runs
     in and `expert_scaled` applies what the method factored out of it (per-output-row scales) to a product.
 
+    `expert_parts` gives the kernel to the GEMMs, by default as the one part `expert_kernel`.
     `expert_tiles(layer, name, experts)`: in how many tiles of output columns the experts' GEMMs build the
     kernel of `experts` experts (1 for a float kernel, which is held as it is): a method whose kernel is a
     conversion (int8, packed blocks) gives it one tile at a time (`Experts._product`), so no dispatch holds
@@ -252,6 +253,13 @@ class ExpertMethod(abc.ABC):
     def expert_tiles(self, layer, name: str, experts: int) -> int:
         """Tiles of output columns for the kernel of `experts` experts (class docstring): one, the kernel as held."""
         return 1
+
+    def expert_parts(self, layer, name: str, slot: jax.Array | None, dtype,
+                     cols: tuple[jax.Array | int, int] | None = None) -> tuple[tuple[jax.Array, slice], ...]:
+        """The kernel as ((part [E?, in_part, out], the inputs it multiplies: a slice of x's last axis), ...), the
+        product the sum of the parts' dots: one part, `expert_kernel` over every input, unless the method's
+        stored order makes other parts cheaper to build (MXFP4's two nibbles of a byte: even and odd inputs)."""
+        return ((self.expert_kernel(layer, name, slot, dtype, cols), slice(None)),)
 
 
 def expert_columns(a: jax.Array, cols: tuple[jax.Array | int, int] | None, axis: int) -> jax.Array:

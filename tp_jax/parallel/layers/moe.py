@@ -275,22 +275,27 @@ class Experts(ParallelModule):
         return self.intermediate_size if self.slots is not None else self.intermediate_size // self.tp_size
 
     def _product(self, name: str, slot: jax.Array | None, experts: int, dot, rows: jax.Array | None = None):
-        """`dot(kernel)` -> [..., out] float32 with kernel `name` of the experts `slot` (None: every local one),
+        """`dot(kernel, inputs)` -> [..., out] float32 with kernel `name` of the experts `slot` (None: every local
+        one), summed over the method's `expert_parts` (`inputs`: the slice of x's last axis a part multiplies),
         scaled by the method (`rows`: the slot of each product row, when it is not `slot`: ragged's sorted rows):
         built and multiplied in `expert_tiles` tiles of output columns (a kernel the method converts, int8 or
         packed, is never whole in float: each tile is built, multiplied and dropped), the tiles' products side
         by side. `experts`: how many experts' kernels one tile spans (sets its size)."""
         n = self.method.expert_tiles(self, name, experts)
         rows = slot if rows is None else rows
+
+        def product(cols):
+            parts = self.method.expert_parts(self, name, slot, self.param_dtype, cols)
+            y = dot(*parts[0])
+            for w, inputs in parts[1:]:
+                y = y + dot(w, inputs)
+            return self.method.expert_scaled(self, y, name, rows, cols)
         if n == 1:
-            return self.method.expert_scaled(self, dot(self.method.expert_kernel(self, name, slot, self.param_dtype)),
-                                             name, rows)
+            return product(None)
         size = self.local_kernel_shape(name)[1] // n
 
         def tile(i):
-            cols = (i * size, size)
-            w = self.method.expert_kernel(self, name, slot, self.param_dtype, cols)
-            return self.method.expert_scaled(self, dot(w), name, rows, cols)
+            return product((i * size, size))
         y = jax.lax.map(tile, jnp.arange(n))                                    # [n, ..., size]
         return jnp.moveaxis(y, 0, -2).reshape(*y.shape[1:-1], n * size)
 
@@ -327,9 +332,9 @@ class Experts(ParallelModule):
         return max(1, GATHER_TILE_BYTES // per)
 
     def _gather_rows(self, xs, slot):
-        h = self._product("gate_up", slot, 1, lambda w: _dot("ad,adf->af", xs, w))
+        h = self._product("gate_up", slot, 1, lambda w, i: _dot("ad,adf->af", xs[:, i], w))
         a = self._swiglu(self._biased(h, "gate_up", slot))
-        return self._biased(self._product("down", slot, 1, lambda w: _dot("af,afd->ad", a, w)), "down", slot)
+        return self._biased(self._product("down", slot, 1, lambda w, i: _dot("af,afd->ad", a[:, i], w)), "down", slot)
 
     def _dense(self, x, slot, held, w, k):
         """Every local expert on every token as batched GEMMs (one read of the local weights per tile of rows),
@@ -342,9 +347,10 @@ class Experts(ParallelModule):
         m = x.shape[0]
         e = self.local_experts
         xe = jnp.broadcast_to(x, (e, *x.shape))                               # batched form: XLA:CPU's
-        h = self._product("gate_up", None, e, lambda k: _dot("emd,edf->emf", xe, k))   # (md,edf measured slower)
+        h = self._product("gate_up", None, e, lambda k, i: _dot("emd,edf->emf", xe[..., i], k))   # (md,edf: slower)
         a = self._swiglu(self._biased(h, "gate_up"))
-        o = self._biased(self._product("down", None, e, lambda k: _dot("emf,efd->emd", a, k)), "down")  # [E, M, D]
+        o = self._biased(self._product("down", None, e, lambda k, i: _dot("emf,efd->emd", a[..., i], k)), "down")
+        # o: [E_local, M, D]
         return _combine(o[slot, jnp.arange(m)[:, None]], w)                     # [M, k, D] -> [M, D]
 
     def _ragged(self, x, slot, held, w, k):
@@ -355,9 +361,9 @@ class Experts(ParallelModule):
         xs = x[tok]                                                             # [A, D], expert-sorted
         sorted_slot = jnp.where(held, slot, 0)[order]
         e = self.local_experts
-        h = self._product("gate_up", None, e, lambda k: _ragged_dot(xs, k, sizes), rows=sorted_slot)
+        h = self._product("gate_up", None, e, lambda k, i: _ragged_dot(xs[:, i], k, sizes), rows=sorted_slot)
         a = self._swiglu(self._biased(h, "gate_up", sorted_slot))
-        o = self._product("down", None, e, lambda k: _ragged_dot(a, k, sizes), rows=sorted_slot)
+        o = self._product("down", None, e, lambda k, i: _ragged_dot(a[:, i], k, sizes), rows=sorted_slot)
         o = self._biased(o, "down", sorted_slot)
         o = jnp.where(held[order][:, None], o, 0.0) * w[order][:, None]
         return jnp.zeros((x.shape[0], o.shape[-1]), jnp.float32).at[tok].add(o)

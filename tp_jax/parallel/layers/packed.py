@@ -210,14 +210,34 @@ class PackedExperts(LinearMethod, ExpertMethod):
                                                       local_shape=_local_shape(p, weight), dtype=p.dtype),
                                     (shape[0], *p.shape), p.dtype) for suffix, p in flat.items()}
 
+    def _arrays(self, layer, name: str, slot, cols) -> dict[str, jax.Array]:
+        """Param `name`'s packed arrays (suffix -> [E?, out, ...]) of the experts `slot`, output rows `cols`."""
+        arrays = {s: getattr(layer, name + s)[...] for s in self.method(name).suffixes}
+        arrays = {s: a if s == "_group" else expert_columns(a, cols, 1) for s, a in arrays.items()}   # [S, out, .]
+        return arrays if slot is None else {s: a[slot] for s, a in arrays.items()}
+
+    def expert_parts(self, layer, name, slot, dtype, cols=None):
+        """MXFP4 (kind "fp4" in runs, as stored): two parts, the low nibbles' weights for the even inputs and the
+        high nibbles' for the odd ones, so the stored bytes are never interleaved (x's inputs are picked instead,
+        a few KB; measured 1.5x faster than one interleaved kernel on XLA:CPU); any other kind, one part."""
+        method = self.method(name)
+        if method.kind != "fp4" or method.act_order:
+            return super().expert_parts(layer, name, slot, dtype, cols)
+        arrays = self._arrays(layer, name, slot, cols)
+        values, scale = arrays[""], arrays["_scale"]                           # [E?, out, in/2], [E?, out, in/L]
+        s = e8m0_to_float32(scale)[..., None]
+        dot_dtype = self.dot_dtype(name, dtype)
+
+        def half(codes):                         # input 2j (or 2j + 1) is in group 2j // L: j // (L / 2)
+            w = (e2m1_to_float32(codes).reshape(*scale.shape, method.local_group // 2) * s).reshape(codes.shape)
+            return jnp.swapaxes(w, -1, -2).astype(dot_dtype)                   # [E?, in/2, out]
+        return ((half(values & 0x0F), slice(0, None, 2)), (half(values >> 4), slice(1, None, 2)))
+
     def expert_kernel(self, layer, name: str, slot: jax.Array | None, dtype, cols=None) -> jax.Array:
         """[E?, in, out]: the experts `slot` (None: every local expert) of param `name` (`cols`: those output
         rows of the packed params), dequantized in float32, in `dtype` (the "bf16" dot: bfloat16)."""
         method = self.method(name)
-        arrays = {s: getattr(layer, name + s)[...] for s in method.suffixes}
-        arrays = {s: a if s == "_group" else expert_columns(a, cols, 1) for s, a in arrays.items()}   # [S, out, .]
-        if slot is not None:
-            arrays = {s: a[slot] for s, a in arrays.items()}
+        arrays = self._arrays(layer, name, slot, cols)
         group = arrays.pop("_group", None)
         lead = arrays[""].shape[:-2]
         flat = [a.reshape(-1, *a.shape[-2:]) for a in arrays.values()]

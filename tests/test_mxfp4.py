@@ -583,6 +583,7 @@ def test_packed_experts_are_the_float_experts_under_every_dispatch(dispatch, til
     from tp_jax.parallel.layers import method
     if tile_bytes:
         monkeypatch.setattr(method, "TILE_BYTES", tile_bytes)
+        monkeypatch.setattr(method, "EXPERT_TILE_COLUMNS", 16)
     dense, kept = packed_experts(4, 64, 64)
     assert (kept.method.expert_tiles(kept, "gate_up", 4) > 1) == bool(tile_bytes)
     rng = np.random.default_rng(1)

@@ -2,8 +2,10 @@
 JSON line per case (and, with --time N, the step's median seconds over N runs on zero weights).
 
     python scripts/bench_moe_memory.py [--sizes tiny gpt-oss-20b] [--tokens 8 512] [--methods ...]
-                                       [--dispatches gather dense ragged] [--time 0]
+                                       [--dispatches gather dense ragged] [--time 0] [--compare-whole]
 
+`--compare-whole`: each quantized method also compiled with its kernels converted whole, as they were before
+the expert GEMMs built them tile by tile, timed alternating with the tiles in the same process.
 The routed experts of one layer (`Experts`, tp 1: every expert local) under each method: float32 and bf16 kernels
 (what a dequantized MXFP4 checkpoint held), "mxfp4" (FP4 codes + E8M0 exponents), GPTQ 4-bit, FP8 and int8, with
 each dispatch ("gather", "dense", "ragged"), for a decode-sized step (8 tokens) and a prefill-sized one (512).
@@ -37,7 +39,26 @@ def methods():
             "fp8": (packed("fp8", "fp8", 32), jnp.float32), "int8": (Int8(), jnp.float32)}
 
 
-def measure(size: str, method, dtype, dispatch: str, tokens: int, runs: int) -> dict:
+def compile_step(make, method, dispatch: str, args, whole: bool):
+    """The experts step compiled from the abstract layer `make` builds; `whole`: `method`'s kernels converted
+    whole, as every method did before the tiles (its class's `expert_tiles` read as 1 while tracing)."""
+    import jax
+    from flax import nnx
+    graph, state = nnx.split(nnx.eval_shape(make))
+    step = jax.jit(lambda s, x, ids, w: nnx.merge(graph, s)(x, ids, w, dispatch))
+    if not whole:
+        return state, step.lower(state, *args).compile()
+    cls = type(method)
+    saved, cls.expert_tiles = cls.expert_tiles, lambda self, layer, name, experts: 1
+    try:
+        return state, step.lower(state, *args).compile()
+    finally:
+        cls.expert_tiles = saved
+
+
+def measure(size: str, method, dtype, dispatch: str, tokens: int, runs: int, compare_whole: bool) -> dict:
+    import time
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -53,24 +74,28 @@ def measure(size: str, method, dtype, dispatch: str, tokens: int, runs: int) -> 
         return layer
     args = (jax.ShapeDtypeStruct((tokens, d), dtype), jax.ShapeDtypeStruct((tokens, k), jnp.int32),
             jax.ShapeDtypeStruct((tokens, k), jnp.float32))
+    modes = ("tiles", "whole") if compare_whole and method is not None else ("tiles",)
+    out, steps = {}, {}
     with jax.set_mesh(make_mesh(devices=jax.devices()[:1])):
-        graph, state = nnx.split(nnx.eval_shape(make))
-        step = jax.jit(lambda s, x, ids, w: nnx.merge(graph, s)(x, ids, w, dispatch))
-        compiled = step.lower(state, *args).compile()
-        out = {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+        for mode in modes:
+            state, steps[mode] = compile_step(make, method, dispatch, args, mode == "whole")
+            key = "temp_bytes" if mode == "tiles" else "temp_bytes_whole"
+            out[key] = steps[mode].memory_analysis().temp_size_in_bytes
         if runs:
-            import time
-            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), state)
+            params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), state)
             x = jnp.ones((tokens, d), dtype)
             ids = jnp.asarray(np.arange(tokens * k).reshape(tokens, k) % e, jnp.int32)
             w = jnp.full((tokens, k), 1.0 / k, jnp.float32)
-            compiled(zeros, x, ids, w).block_until_ready()
-            times = []
-            for _ in range(runs):
-                t = time.perf_counter()
-                compiled(zeros, x, ids, w).block_until_ready()
-                times.append(time.perf_counter() - t)
-            out["median_s"] = round(float(np.median(times)), 5)
+            times = {mode: [] for mode in modes}
+            for step in steps.values():
+                step(params, x, ids, w).block_until_ready()
+            for _ in range(runs):                                  # the modes alternate, round by round
+                for mode, step in steps.items():
+                    t = time.perf_counter()
+                    step(params, x, ids, w).block_until_ready()
+                    times[mode].append(time.perf_counter() - t)
+            for mode, t in times.items():
+                out["median_s" if mode == "tiles" else "median_s_whole"] = round(float(np.median(t)), 5)
         return out
 
 
@@ -81,6 +106,8 @@ def main():
     ap.add_argument("--methods", nargs="+", default=None)
     ap.add_argument("--dispatches", nargs="+", default=["gather", "dense", "ragged"])
     ap.add_argument("--time", type=int, default=0, help="runs to time each step (0: memory only)")
+    ap.add_argument("--compare-whole", action="store_true", help="also each method's kernels converted whole (as "
+                    "before the tiles): `temp_bytes_whole`, `median_s_whole`, timed alternating with the tiles")
     args = ap.parse_args()
     import tp_jax
     table = methods()
@@ -95,7 +122,7 @@ def main():
                     if isinstance(method, Exception):
                         line["error"] = str(method)
                     else:
-                        line.update(measure(size, method, dtype, dispatch, tokens, args.time))
+                        line.update(measure(size, method, dtype, dispatch, tokens, args.time, args.compare_whole))
                     print(json.dumps(line), flush=True)
 
 

@@ -7,7 +7,8 @@ JSON line per case (and, with --time N, the step's median seconds over N runs on
 `--compare-whole`: each quantized method also compiled with its kernels converted whole, as they were before
 the expert GEMMs built them tile by tile, timed alternating with the tiles in the same process.
 The routed experts of one layer (`Experts`, tp 1: every expert local) under each method: float32 and bf16 kernels
-(what a dequantized MXFP4 checkpoint held), "mxfp4" (FP4 codes + E8M0 exponents), GPTQ 4-bit, FP8 and int8, with
+(what a dequantized MXFP4 checkpoint held), "mxfp4" (FP4 codes + E8M0 exponents; "mxfp4_bf16": its bf16 dots),
+GPTQ 4-bit, FP8 and int8, with
 each dispatch ("gather", "dense", "ragged"), for a decode-sized step (8 tokens) and a prefill-sized one (512).
 `temp_bytes` is `compiled.memory_analysis().temp_size_in_bytes` (the program's scratch buffers at their peak,
 compiled on the CPU; nothing is allocated), `float32_local_experts` the bytes of the local experts in float32:
@@ -35,6 +36,7 @@ def methods():
         return PackedExperts((("gate_up", one), ("down", one)))
     return {"float32": (None, jnp.float32), "bf16": (None, jnp.bfloat16),
             "mxfp4": (packed("mxfp4", "fp4", 32, scale_dtype="uint8"), jnp.float32),
+            "mxfp4_bf16": (packed("mxfp4", "fp4", 32, "bf16", scale_dtype="uint8"), jnp.float32),
             "gptq_int4": (packed("gptq", "int4", 32, scale_dtype="float16", zero=8), jnp.float32),
             "fp8": (packed("fp8", "fp8", 32), jnp.float32), "int8": (Int8(), jnp.float32)}
 

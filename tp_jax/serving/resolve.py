@@ -168,8 +168,8 @@ RULES: dict[str, list[Rule]] = {
              "named dtype"),
         Rule("an MXFP4 checkpoint on CPU", lambda f: f.checkpoint.packed_method == "mxfp4" and _cpu(f), "mxfp4",
              "its FP4 codes and E8M0 exponents kept (the checkpoint's bytes), each tile dequantized exactly inside "
-             "a float32 dot: the checkpoint's weights exactly, measured as fast as bf16 dots on the tiny gpt-oss "
-             "(docs/performance.md), whose rounding of x moved its logits by 0.1"),
+             "a float32 dot: the checkpoint's weights exactly; bf16 dots measured no faster (the tiny gpt-oss's "
+             "decode, a gpt-oss-20b-sized experts step: docs/performance.md) and moved the tiny model's logits by 0.1"),
         Rule("a GPTQ / AWQ / FP8 / compressed-tensors checkpoint on CPU", lambda f: _packed(f) and _cpu(f),
              lambda f: f.checkpoint.packed_method + "_bf16",
              "its packed weights kept (the checkpoint's bytes); each tile dequantized, rounded to bf16, "

@@ -233,3 +233,73 @@ def test_deepseek_v3_fp8_checkpoint_plans_from_headers(tmp_path):
     kv = fp8.kv_layout().bytes_per_token(1, TP)
     print(json.dumps({"model": name + " (FP8 checkpoint, quantization='fp8')", "bytes_per_device": per_device,
                       "bytes_per_device_bf16": bf16, "kv_bytes_per_token_per_device": kv}))
+
+
+# --- gpt-oss's MXFP4 releases: the experts kept packed, from the headers ---------------------------------
+
+MXFP4_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def gpt_oss_headers(c: dict) -> Headers:
+    """openai/gpt-oss-20b / -120b's tensors as their safetensors headers declare them (config `c`): the experts'
+    `gate_up_proj` / `down_proj` as uint8 `_blocks` [E, out, in/32, 16] and `_scales` [E, out, in/32], everything
+    else (attention, sinks, router, expert biases, norms, embedding, head) bfloat16."""
+    from tp_jax.loaders.safetensors import SafetensorsTensor
+    d, f, e = c["hidden_size"], c["intermediate_size"], c["num_local_experts"]
+    h, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    out = {}
+
+    def add(name, shape, dtype="BF16"):
+        out[name] = SafetensorsTensor("", name, tuple(shape), dtype)
+
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        add(name, (c["vocab_size"], d))
+    add("model.norm.weight", (d,))
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            add(f"{p}.{norm}.weight", (d,))
+        for proj, rows, cols in (("q_proj", h * hd, d), ("k_proj", kv * hd, d), ("v_proj", kv * hd, d),
+                                 ("o_proj", d, h * hd)):
+            add(f"{p}.self_attn.{proj}.weight", (rows, cols))
+            add(f"{p}.self_attn.{proj}.bias", (rows,))
+        add(f"{p}.self_attn.sinks", (h,))
+        add(f"{p}.mlp.router.weight", (e, d))
+        add(f"{p}.mlp.router.bias", (e,))
+        for proj, rows, cols in (("gate_up_proj", 2 * f, d), ("down_proj", d, f)):
+            add(f"{p}.mlp.experts.{proj}_blocks", (e, rows, cols // 32, 16), "U8")
+            add(f"{p}.mlp.experts.{proj}_scales", (e, rows, cols // 32), "U8")
+            add(f"{p}.mlp.experts.{proj}_bias", (e, rows))
+    return Headers(out)
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_gpt_oss_mxfp4_checkpoint_plans_from_headers(name, tmp_path):
+    """plan_methods with the checkpoint's own method ("mxfp4") over its headers (PackedSource, as open_checkpoint
+    wraps it): the routed experts kept as stored (uint8 FP4 codes, two a byte, and a uint8 E8M0 exponent per 32
+    inputs of a row: 17/32 B a weight), each device its 1/8 of them (EP); everything else bf16 as stored. Bytes
+    per device equal that count; before (the experts dequantized to bf16) it was 2 B a weight."""
+    from tp_jax.loaders.packed import PackedSource
+    from tp_jax.loaders.quantize import plan_methods
+    from tp_jax.models.quant_config import checkpoint_quant
+    from tp_jax.models.registry import architecture
+    path, cfg, mesh, model = build(tmp_path, name)
+    with open(os.path.join(path, "config.json")) as f:
+        published = json.load(f)
+    source = PackedSource(gpt_oss_headers(published), checkpoint_quant(published["quantization_config"]))
+    table = architecture(cfg.architecture).weights(cfg).for_names(source.keys())
+    methods = plan_methods(model, table, source, cfg.num_layers, "mxfp4")
+    packed = abstract_model(cfg, mesh, dtype=jnp.bfloat16, methods=methods)
+    experts = packed.model.layers.layers.mlp.experts
+    assert experts.gate_up.get_value().dtype == jnp.uint8 and experts.gate_up_scale.get_value().dtype == jnp.uint8
+    check_experts(packed, mesh, cfg.num_experts)
+
+    def itemsize(n):
+        return Fraction(17, 32) if MXFP4_EXPERTS.search(n) else bf16_itemsize(n)
+
+    per_device = param_bytes_per_device(packed, mesh)
+    bf16 = param_bytes_per_device(model, mesh)
+    assert per_device == expected_bytes(hf_tensors(path), itemsize), per_device
+    stored = sum(math.prod(t.shape) * (1 if t.file_dtype == "U8" else BF16) for t in source.source.tensors.values())
+    print(json.dumps({"model": name + " (MXFP4 checkpoint, quantization='mxfp4')", "bytes_per_device": per_device,
+                      "bytes_per_device_before_bf16": bf16, "checkpoint_bytes": stored}))

@@ -15,8 +15,10 @@ Checked: the reader equals `convert_moe_packed_tensors` bit for bit (float32 and
 every exponent), any slice equals the whole's slice; the config is accepted with its `modules_to_not_convert`
 and refused for fields Mxfp4Config does not have; a checkpoint directory shows `X` in place of the pair; a
 device reads only its experts' (EP) or its rows' (TP) bytes, and loads the dequantized weights; a tiny gpt-oss
-with MXFP4 experts matches transformers on the dequantized experts (5e-4) through `LLM`; an Orbax copy keeps the
-blocks.
+with MXFP4 experts kept packed (the default) matches transformers on the dequantized experts (5e-4) through `LLM`
+at tp 1, tp 2 and dp 2 x tp 2 with EP, each device holding its share of the stored bytes; an Orbax copy keeps the
+blocks; kept packed, the experts are the stored codes and exponents, equal to the float experts under every
+dispatch, and no dispatch converts them whole.
 """
 
 import json
@@ -393,12 +395,11 @@ GPT_OSS = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_
 PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15], [5, 17, 200, 42, 9], [299, 3, 77, 150]]
 
 
-@pytest.fixture(scope="module")
-def gpt_oss_mxfp4(tmp_path_factory):
-    """A tiny gpt-oss checkpoint as the published ones are stored: experts MXFP4 (quantized by the rule above from
-    transformers' random float model), everything else float; the reference is transformers on the dequantized
-    experts (its float model holding exactly the weights the blocks and scales say)."""
-    pytest.importorskip("tp_jax.models.gpt_oss")
+def write_tiny_gpt_oss_mxfp4(path: str):
+    """A tiny gpt-oss checkpoint at `path` as the published ones are stored: experts MXFP4 (quantized by the rule
+    above from transformers' random float model), everything else float32. Returns (ids [4, 11], transformers'
+    logits for them, its greedy tokens for `PROMPTS`): the reference is transformers on the dequantized experts (its
+    float model holding exactly the weights the blocks and scales say). scripts/bench_mxfp4.py writes it too."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -415,7 +416,6 @@ def gpt_oss_mxfp4(tmp_path_factory):
                 codes, exps = quantize(w)
                 packed[n + "_blocks"], packed[n + "_scales"] = pack(codes, exps)
                 p.copy_(torch.from_numpy(unpacked(codes, exps)))
-    path = str(tmp_path_factory.mktemp("gpt_oss") / "mxfp4")
     model.save_pretrained(path, safe_serialization=True)
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
@@ -427,24 +427,86 @@ def gpt_oss_mxfp4(tmp_path_factory):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({**config, "quantization_config": GPT_OSS_QC}, f)
     ids = np.random.default_rng(0).integers(0, GPT_OSS["vocab_size"], size=(4, 11))
-    return (path, ids, *logits_and_greedy(model, ids, PROMPTS, max_new_tokens=6))
+    return (ids, *logits_and_greedy(model, ids, PROMPTS, max_new_tokens=6))
 
 
-@pytest.mark.parametrize("dp,tp,ep", [(1, 2, False), pytest.param(2, 2, True, marks=pytest.mark.slow)],
-                         ids=["tp2", "dp2tp2-ep"])
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    """(path, ids, logits, greedy) of `write_tiny_gpt_oss_mxfp4`."""
+    pytest.importorskip("tp_jax.models.gpt_oss")
+    path = str(tmp_path_factory.mktemp("gpt_oss") / "mxfp4")
+    return (path, *write_tiny_gpt_oss_mxfp4(path))
+
+
+def expert_bytes_bound(llm, path: str) -> tuple[int, int]:
+    """(bytes of params on the busiest device, the bound's base: the stored expert bytes (blocks and scales) on a
+    device, 1/ep or 1/tp of the checkpoint's, plus the float params a device holds beside the packed experts)."""
+    from safetensors import safe_open
+    from tp_jax.loaders.model import param_bytes_per_device
+    with safe_open(os.path.join(path, "model.safetensors"), "np") as f:
+        stored = sum(f.get_slice(n).get_shape()[0] * int(np.prod(f.get_slice(n).get_shape()[1:]))
+                     for n in f.keys() if n.endswith(("_blocks", "_scales")))
+    ranks = llm.mesh.shape["tp"] * (llm.mesh.shape["dp"] if llm.config.enable_expert_parallel else 1)
+    experts = llm.model.model.layers.layers.mlp.experts
+    packed = sum(int(np.prod(getattr(experts, n + s).get_value().shape)) * getattr(experts, n + s).get_value().dtype.itemsize
+                 for n in ("gate_up", "down") for s in experts.method.suffixes) // ranks
+    held = param_bytes_per_device(llm.model, llm.mesh)
+    return held, stored // ranks + held - packed
+
+
+@pytest.mark.parametrize("dp,tp,ep", [(1, 1, False), (1, 2, False), pytest.param(2, 2, True, marks=pytest.mark.slow)],
+                         ids=["tp1", "tp2", "dp2tp2-ep"])
 def test_gpt_oss_mxfp4_matches_transformers(gpt_oss_mxfp4, dp, tp, ep):
-    """LLM(path) on the MXFP4 checkpoint, gpt-oss's float name table unchanged: logits within 5e-4 of transformers on
-    the dequantized experts, greedy tokens equal; the experts held float in the run's dtype."""
+    """LLM(path, dtype="float32") on the MXFP4 checkpoint, gpt-oss's float name table unchanged: the experts kept
+    as stored ("mxfp4": FP4 codes and E8M0 exponents, each device its experts' or rows' bytes: within 1.15x of
+    its share of the stored blocks and scales plus its float params), dequantized inside the expert GEMMs;
+    logits within 5e-4 of transformers on the dequantized experts, greedy tokens equal. The CPU default
+    (dtype and quantization auto) is the same method: the same numbers."""
     from tp_jax.serving.llm import LLM
     from tp_jax.serving.sampling import SamplingParams
     path, ids, logits, greedy = gpt_oss_mxfp4
     llm = LLM(path, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep, progress=False,
-              compile_cache=False)
-    assert llm.quantization == "none"
+              compile_cache=False, dtype="float32")
+    assert llm.quantization == "mxfp4 fp4" and llm.setup.quantization == "mxfp4"
+    held, base = expert_bytes_bound(llm, path)
+    assert base <= held <= 1.15 * base, (held, base)
     diff = float(np.abs(llm.get_logits(ids) - logits).max())
     assert diff <= 5e-4, f"max abs logit diff {diff:.2e}"
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == greedy
+    if tp == 2 and not ep:
+        default = LLM(path, tensor_parallel_size=tp, progress=False, compile_cache=False)
+        assert default.setup.quantization == "mxfp4" and default.setup.dtype == "float32"
+        assert np.array_equal(default.get_logits(ids), llm.get_logits(ids))
+
+
+@pytest.mark.default_compile          # batch invariance is a promise at XLA's default LLVM level (docs/design.md)
+def test_the_default_is_batch_invariant(gpt_oss_mxfp4):
+    """The CPU default on the MXFP4 checkpoint (experts kept packed, gather dispatch): a request's tokens and logprobs
+    are the same alone and beside others."""
+    from tp_jax.serving.llm import LLM
+    from tp_jax.serving.sampling import SamplingParams
+    llm = LLM(gpt_oss_mxfp4[0], tensor_parallel_size=2, progress=False, compile_cache=False)
+    assert llm.setup.quantization == "mxfp4" and llm.setup.batch_invariant
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    alone = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    beside = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], params)[1].outputs[0]
+    assert alone.token_ids == beside.token_ids and alone.logprobs == beside.logprobs
+
+
+def test_gpt_oss_mxfp4_bf16_dot_bound(gpt_oss_mxfp4):
+    """quantization="mxfp4_bf16" (x rounded to bf16 at each expert dot, the dequantized weights exact in bf16,
+    float32 sums): logits within 0.2 of transformers (measured 0.10 on this model, whose largest |logit| is 10.4);
+    quantization=None: the experts dequantized to float at load, as before."""
+    from tp_jax.serving.llm import LLM
+    path, ids, logits, _ = gpt_oss_mxfp4
+    llm = LLM(path, tensor_parallel_size=2, progress=False, compile_cache=False, quantization="mxfp4_bf16")
+    assert llm.quantization == "mxfp4 fp4 (bf16 dot)"
+    diff = float(np.abs(llm.get_logits(ids) - logits).max())
+    assert diff <= 0.2, f"max abs logit diff {diff:.2e}"
+    float_llm = LLM(path, tensor_parallel_size=2, progress=False, compile_cache=False, quantization=None)
+    assert float_llm.quantization == "none"
+    assert float(np.abs(float_llm.get_logits(ids) - logits).max()) <= 5e-4
 
 
 def test_orbax_copy_keeps_the_blocks(gpt_oss_mxfp4, tmp_path):
@@ -462,3 +524,108 @@ def test_orbax_copy_keeps_the_blocks(gpt_oss_mxfp4, tmp_path):
     for name in (PREFIX + "gate_up_proj", PREFIX + "down_proj"):
         assert np.array_equal(kept.get(name)[...], src.get(name)[...])
         assert np.array_equal(np.asarray(f32.get(name)[...]), src.get(name)[...])
+
+
+# --- (f) kept packed: the codes and exponents as stored, dequantized inside the expert GEMMs -----------------------
+
+def test_packed_rows_are_the_stored_codes_and_exponents():
+    """`MXFP4Tensor.expert(e)`: the packed [out, in] weight of expert e: its codes and E8M0 exponents as stored (any
+    slice), its float slices the float tensor's transposed; the jax decoders give FP4's 16 values (bit for bit, -0
+    included) and 2^(s - 127) for every finite exponent."""
+    from tp_jax.parallel.layers.packed import e2m1_to_float32, e8m0_to_float32
+    codes, exps = random_pair(6, 3, 40, 128)
+    t = MXFP4Tensor("x", *pack(codes, exps))
+    rows = t.expert(2)
+    assert rows.shape == (40, 128) and rows.kind == "fp4" and rows.quant_type == "mxfp4"
+    assert np.array_equal(rows.values(slice(None), slice(None)), codes[2])
+    assert np.array_equal(rows.values(slice(3, 9), slice(40, 70)), codes[2, 3:9, 40:70])
+    assert np.array_equal(rows.scales(slice(5, 7), slice(1, 3)), exps[2, 5:7, 1:3])
+    assert np.array_equal(rows.groups(slice(30, 70)), np.arange(30, 70) // 32)
+    assert np.array_equal(rows[2:9, 31:65], t[2][31:65, 2:9].T)
+    got = np.asarray(e2m1_to_float32(jnp.arange(16, dtype=jnp.uint8)))
+    assert np.array_equal(got.view(np.int32), FP4_VALUES.view(np.int32))
+    s = np.arange(1, 255, dtype=np.uint8)
+    assert np.array_equal(np.asarray(e8m0_to_float32(jnp.asarray(s))), np.ldexp(np.float32(1), s.astype(np.int32) - 127))
+    with pytest.raises(IndexError, match="has 3 experts, not expert 3"):
+        t.expert(3)
+
+
+def packed_experts(e: int, d: int, f: int, seed: int = 0):
+    """(float `Experts` holding the dequantized kernels, the same experts kept as MXFP4 codes and exponents), tp 1,
+    gpt-oss's activation and biases."""
+    from tp_jax.parallel.layers.moe import Experts
+    from tp_jax.parallel.layers.packed import PackedExperts, PackedWeight
+    from tp_jax.parallel.mesh import make_mesh
+    rng = np.random.default_rng(seed)
+    fp4 = PackedWeight("mxfp4", "fp4", 32, scale_dtype="uint8")
+    with jax.set_mesh(make_mesh(devices=jax.devices()[:1])):
+        dense = Experts(e, d, f, bias=True, activation="swigluoai", interleaved=True, rngs=nnx.Rngs(0))
+        kept = Experts(e, d, f, bias=True, activation="swigluoai", interleaved=True, rngs=nnx.Rngs(0))
+        kept.use_method(PackedExperts((("gate_up", fp4), ("down", fp4))))
+    for name, out, inp in (("gate_up", 2 * f, d), ("down", d, f)):
+        codes, exps = random_pair(int(rng.integers(1 << 30)), e, out, inp)
+        blocks, scales = pack(codes, exps)
+        getattr(kept, name).set_value(jnp.asarray(blocks.reshape(e, out, inp // 2)))
+        getattr(kept, name + "_scale").set_value(jnp.asarray(scales))
+        getattr(dense, name).set_value(jnp.asarray(unpacked(codes, exps)))
+        bias = jnp.asarray(rng.normal(0, 0.1, (e, out)).astype(np.float32))
+        for layer in (dense, kept):
+            getattr(layer, name + "_bias").set_value(bias)
+    return dense, kept
+
+
+@pytest.mark.parametrize("tile_bytes", [None, 4096], ids=["one-tile", "tiles"])
+@pytest.mark.parametrize("dispatch", ["gather", "dense", "ragged"])
+def test_packed_experts_are_the_float_experts_under_every_dispatch(dispatch, tile_bytes, monkeypatch):
+    """The experts kept as MXFP4, float32: each dispatch's output equals the float experts' (the dequantized weights
+    exactly; only the sums' order may differ: 2e-6 of the output's scale), in one tile or built tile by tile
+    (`expert_tiles` > 1)."""
+    from tp_jax.parallel.layers import method
+    if tile_bytes:
+        monkeypatch.setattr(method, "TILE_BYTES", tile_bytes)
+        monkeypatch.setattr(method, "EXPERT_TILE_COLUMNS", 16)
+    dense, kept = packed_experts(4, 64, 64)
+    assert (kept.method.expert_tiles(kept, "gate_up", 4) > 1) == bool(tile_bytes)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(6, 64)).astype(np.float32))
+    ids = jnp.asarray(np.array([[0, 1], [2, 3], [1, 1], [3, 0], [2, 2], [0, 3]], np.int32))
+    w = jnp.asarray(rng.uniform(size=(6, 2)).astype(np.float32))
+    want = np.asarray(dense(x, ids, w, dispatch))
+    got = np.asarray(kept(x, ids, w, dispatch))
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max(), np.abs(got - want).max()
+
+
+def test_no_dispatch_converts_the_local_experts_whole():
+    """Compiled (nothing allocated): the scratch memory of a prefill-sized step (256 tokens) of 8 MXFP4 experts under
+    the dense and ragged dispatches exceeds the float experts' own step (which converts nothing) by less than half of
+    the experts in float32 (12.6 MB), where converting them whole would take all of it."""
+    from tp_jax.parallel.mesh import make_mesh
+    layers = packed_experts(8, 256, 512)
+    experts_f32 = 3 * 8 * 256 * 512 * 4
+    args = (jax.ShapeDtypeStruct((256, 256), jnp.float32), jax.ShapeDtypeStruct((256, 2), jnp.int32),
+            jax.ShapeDtypeStruct((256, 2), jnp.float32))
+
+    def temp(layer, dispatch):
+        graph, state = nnx.split(layer)
+        with jax.set_mesh(make_mesh(devices=jax.devices()[:1])):
+            step = jax.jit(lambda s, x, i, w: nnx.merge(graph, s)(x, i, w, dispatch))
+            return step.lower(state, *args).compile().memory_analysis().temp_size_in_bytes
+    for dispatch in ("dense", "ragged"):
+        float_temp, kept_temp = (temp(layer, dispatch) for layer in layers)
+        assert kept_temp - float_temp < experts_f32 / 2, (dispatch, kept_temp, float_temp, experts_f32)
+
+
+def test_a_nan_exponent_is_refused_when_kept(tmp_path):
+    """E8M0's NaN code (255) in an expert kept packed: a QuantizationError naming the tensor and the fix (the float
+    path reads it as transformers does)."""
+    from tp_jax.parallel.layers.method import QuantizationError
+    from tp_jax.parallel.layers.packed import PackedWeight, rank_block
+    from tp_jax.parallel.layers.loading import PartRows, ShardedParam
+    codes, exps = random_pair(7, 1, 8, 64)
+    exps[0, 3, 1] = 255
+    rows = MXFP4Tensor("x", *pack(codes, exps)).expert(0)
+    weight = ShardedParam({"weight": PartRows((8, 64), np.arange(8)[None])}, split=0)
+    fp4 = PackedWeight("mxfp4", "fp4", 32, scale_dtype="uint8")
+    assert np.array_equal(rank_block(fp4, weight, "", 0, {"weight": rows}, {}), pack(codes, exps)[0].reshape(8, 32))
+    with pytest.raises(QuantizationError, match=r"MXFP4Rows\('x', expert 0.*E8M0 scale 255.*quantization=None"):
+        rank_block(fp4, weight, "_scale", 0, {"weight": rows}, {})

@@ -3,6 +3,9 @@
     mxfp4_view(source, names, name, quant) -> (float name, MXFP4Tensor, stored names consumed) | None
     MXFP4Tensor                             transformers' float `[E, in, out]`: `t[e, i, o]` dequantizes only
                                             the bytes of that slice
+    MXFP4Tensor.expert(e) -> MXFP4Rows      expert e as a packed weight `[out, in]` (the packed methods'
+                                            `values` / `scales` of loaders/packed.py: FP4 codes and E8M0
+                                            exponents as stored), which `quantization="mxfp4"` keeps
     dequantize(blocks, scales)              uint8 [..., G, 16], [..., G] -> float32 [..., G * 32]
 
 The stored layout (OpenAI's; transformers' `integrations/mxfp4.py: convert_moe_packed_tensors` reads it):
@@ -83,10 +86,11 @@ class MXFP4Tensor:
 
     `t[e, i, o]` reads the blocks and scales of experts e, output rows o and the 32-input blocks covering
     inputs i, nothing else, and returns float32 exactly (so `quantization=None` and every float path hold
-    the checkpoint's weights in the run's dtype).
+    the checkpoint's weights in the run's dtype). `expert(e)` is expert e's stored rows as a packed weight.
     """
     dtype = np.dtype(np.float32)        # what slicing returns
     ndim = 3
+    quant_type = "mxfp4"                # the packed methods' name for the format (layers/quantization.py)
 
     def __init__(self, name: str, blocks, scales):
         self.name, self._blocks, self._scales = name, blocks, scales
@@ -121,6 +125,67 @@ class MXFP4Tensor:
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = self[...]
         return out if dtype is None else out.astype(dtype)
+
+    def expert(self, e: int) -> MXFP4Rows:
+        """Expert e's stored rows `[out, in]` as a packed weight (the float `t[e]` transposed)."""
+        if not 0 <= e < self.shape[0]:
+            raise IndexError(f"{self!r} has {self.shape[0]} experts, not expert {e}")
+        return MXFP4Rows(self, e)
+
+
+class MXFP4Rows:
+    """One expert of an `MXFP4Tensor` as the packed methods read a quantized `[out, in]` weight
+    (loaders/packed.py's `PackedTensor` fields; layers/packed.py keeps it):
+
+        values(o, i)  uint8 [o, i] the FP4 (e2m1) codes, one a byte (the method packs them two a byte again, in
+                      the stored order: byte j of a row holds inputs 2j (low nibble) and 2j + 1)
+        scales(o, g)  uint8 [o, g] the E8M0 exponents s of the 32-input groups g, as stored
+        zeros         None (a code is signed); groups(i) = i // 32
+
+    w[o, i] = FP4[values[o, i]] * 2^(scales[o, i // 32] - 127); `r[o, i]` is that float32 slice.
+    """
+    kind = "fp4"
+    quant_type = "mxfp4"
+    scale_dtype = np.dtype(np.uint8)    # E8M0: the exponent byte is the scale
+    zero_point = None
+    group_size = BLOCK
+    act_order = False
+
+    def __init__(self, tensor: MXFP4Tensor, e: int):
+        self.tensor, self.e = tensor, e
+        self.module = f"{tensor.name}[{e}]"
+        self.shape = (tensor.shape[2], tensor.shape[1])
+        self.num_groups = tensor.shape[1] // BLOCK
+
+    def __repr__(self) -> str:
+        return f"MXFP4Rows({self.tensor.name!r}, expert {self.e}, shape={self.shape})"
+
+    @property
+    def bits(self) -> int:
+        return 4
+
+    def values(self, o: slice, i: slice) -> np.ndarray:
+        (o0, o1), (i0, i1) = _bounds((o, i), self.shape)[0]
+        g0, g1 = i0 // BLOCK, -(-i1 // BLOCK)
+        blocks = np.asarray(self.tensor._blocks[self.e, o0:o1, g0:g1])             # [o, g, 16]
+        codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(o1 - o0, -1)
+        return codes[:, i0 - g0 * BLOCK:i1 - g0 * BLOCK]
+
+    def scales(self, o: slice, g: slice = slice(None)) -> np.ndarray:
+        (o0, o1), (g0, g1) = _bounds((o, g), (self.shape[0], self.num_groups))[0]
+        return np.asarray(self.tensor._scales[self.e, o0:o1, g0:g1], np.uint8)
+
+    def zeros(self, o: slice, g: slice = slice(None)) -> None:
+        return None
+
+    def groups(self, i: slice) -> np.ndarray:
+        (i0, i1), = _bounds((slice(None), i), self.shape)[0][1:]
+        return np.arange(i0, i1, dtype=np.int32) // BLOCK
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index = (slice(None), slice(None)) if index == (Ellipsis,) else (*index, slice(None))[:2]
+        return self.tensor[(self.e, index[1], index[0])].T
 
 
 def mxfp4_view(source, names: set[str], name: str, quant) -> tuple[str, MXFP4Tensor, tuple[str, str]] | None:

@@ -4,7 +4,8 @@
                                      (`qweight`, `qzeros`, `scales`, `g_idx`; `weight_packed`, ...) seen as
                                      one `PackedTensor` under the float weight's name `<module>.weight`;
                                      gpt-oss's MXFP4 experts (`X_blocks`, `X_scales`) as one float
-                                     `MXFP4Tensor` under `X` (tp_jax/loaders/mxfp4.py)
+                                     `MXFP4Tensor` under `X` (tp_jax/loaders/mxfp4.py), each expert's
+                                     rows a packed weight of kind "fp4" (`MXFP4Tensor.expert`)
 
 A `PackedTensor` is the float `[out, in]` weight as a lazy tensor: `t[rows, cols]` dequantizes only that
 slice, exactly (so `quantization=None` and every float path load it as float32). The linear method that

@@ -15,7 +15,8 @@ The shared graph with gpt-oss's parts: its attention (`SinkAttention`) defined h
 
 The experts' checkpoint tensors are fused over experts, stored [in, out] (`gate_up_proj [E, D, 2F]`,
 `down_proj [E, F, D]`); the published MXFP4 checkpoints store them as `*_blocks` / `*_scales`, which the
-loader presents under these float names (tp_jax/loaders/packed.py), so one table reads both.
+loader presents under these float names (tp_jax/loaders/packed.py), so one table reads both; the "mxfp4" method
+keeps them as stored (tp_jax/loaders/mxfp4.py, layers/packed.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     checkpoint_quant(qc) -> CheckpointQuant | None     None: the weights are float
 
 `quantization_config.quant_method` in config.json picks the method, as in vLLM ("gptq", "awq", "fp8",
-"compressed-tensors", and gpt-oss's "mxfp4", whose experts load dequantized: tp_jax/loaders/mxfp4.py);
+"compressed-tensors", and gpt-oss's "mxfp4", whose experts are kept as stored: tp_jax/loaders/mxfp4.py);
 everything else (bitsandbytes, AQLM, HQQ, a GPTQ `checkpoint_format` other than gptq / gptq_v2, AWQ GEMV,
 compressed-tensors' sparse or 2-to-7-bit schemes, an MXFP4 block with a field transformers' `Mxfp4Config`
 does not have, ...) is refused here, before any weight is read, with an `UnsupportedConfigError` naming the
@@ -101,7 +101,7 @@ def checkpoint_quant(qc) -> CheckpointQuant | None:
             name += " 4-bit" if qc.get("load_in_4bit") else " 8-bit" if qc.get("load_in_8bit") else ""
         raise QuantConfigError(
             f"{name} checkpoints are not supported (config.json has quantization_config with quant_method="
-            f"{method!r}; tp_jax reads {', '.join((*PACKED_METHODS, 'mxfp4'))}); use the model's float or GGUF "
+            f"{method!r}; tp_jax reads {', '.join(PACKED_METHODS)}); use the model's float or GGUF "
             f"release, with `--quantization int8` (LLM(..., quantization='int8')) to quantize it on load")
     return read(qc)
 

@@ -163,15 +163,19 @@ RULES: dict[str, list[Rule]] = {
              "bf16 x bf16 -> float32 dots: the fastest method that keeps the blocks (docs/performance.md)"),
         Rule("a quantized GGUF on an accelerator", _gguf_q, "gguf",
              "the blocks kept (the file's bytes), dots in the run's dtype"),
-        Rule("a GPTQ / AWQ / FP8 / compressed-tensors checkpoint, dtype named",
+        Rule("a GPTQ / AWQ / FP8 / compressed-tensors / MXFP4 checkpoint, dtype named",
              lambda f: _packed(f) and f.args.dtype != "auto", lambda f: f.checkpoint.packed_method,
              "its packed weights kept (the checkpoint's bytes), each tile dequantized exactly inside a dot in the "
              "named dtype"),
+        Rule("an MXFP4 checkpoint on CPU", lambda f: f.checkpoint.packed_method == "mxfp4" and _cpu(f), "mxfp4",
+             "its FP4 codes and E8M0 exponents kept (the checkpoint's bytes), each tile dequantized exactly inside "
+             "a float32 dot: the checkpoint's weights exactly; bf16 dots measured no faster (the tiny gpt-oss's "
+             "decode, a gpt-oss-20b-sized experts step: docs/performance.md) and moved the tiny model's logits by 0.1"),
         Rule("a GPTQ / AWQ / FP8 / compressed-tensors checkpoint on CPU", lambda f: _packed(f) and _cpu(f),
              lambda f: f.checkpoint.packed_method + "_bf16",
              "its packed weights kept (the checkpoint's bytes); each tile dequantized, rounded to bf16, "
              "bf16 x bf16 -> float32 dots, as for a GGUF"),
-        Rule("a GPTQ / AWQ / FP8 / compressed-tensors checkpoint on an accelerator", _packed,
+        Rule("a GPTQ / AWQ / FP8 / compressed-tensors / MXFP4 checkpoint on an accelerator", _packed,
              lambda f: f.checkpoint.packed_method, "its packed weights kept, dots in the run's dtype"),
         Rule("weights stored in bfloat16, CPU, dtype auto, switch loop",
              lambda f: f.checkpoint.stored_bf16 and _cpu(f) and f.args.dtype == "auto" and f.layer_loop == "switch",

@@ -46,7 +46,8 @@ import numpy as np
 from tp_jax.parallel.layers.loading import ExpertParam, LazyTensor, ShardedParam, check_shape, take_rows
 from tp_jax.parallel.layers.method import (EMBEDDING, EXPERTS, LINEAR, DerivedParam, ExpertMethod, LinearMethod,
                                            QuantizationError, SplitGemm, WeightParam, out_in, pad_rows,
-                                           quantize_rows, stacked_kernel, tiled_matmul)
+                                           converted_tiles, expert_columns, quantize_rows, stacked_kernel,
+                                           tiled_matmul)
 from tp_jax.parallel.mesh import TP
 
 QMAX = 127
@@ -94,14 +95,18 @@ class Int8(LinearMethod, SplitGemm, ExpertMethod):
         return {"": WeightParam(values, tuple(shape), np.dtype(np.int8)),
                 "_scale": WeightParam(scale, (shape[0], shape[-1]), np.dtype(np.float32))}
 
-    def expert_kernel(self, layer, name, slot, dtype):
+    def expert_kernel(self, layer, name, slot, dtype, cols=None):
         """The int8 values cast to `dtype` (the scales are `expert_scaled`'s)."""
-        return stacked_kernel(layer, name, slot, dtype)
+        return stacked_kernel(layer, name, slot, dtype, cols)
 
-    def expert_scaled(self, layer, y, name, slot):
+    def expert_scaled(self, layer, y, name, slot, cols=None):
         """y times the per-expert output-channel scales (exact for per-output-channel scales)."""
-        s = getattr(layer, name + "_scale")[...]                                 # [E_local, out]
+        s = expert_columns(getattr(layer, name + "_scale")[...], cols, 1)       # [E_local, out]
         return y * (s[slot] if slot is not None else s[:, None, :])
+
+    def expert_tiles(self, layer, name, experts):
+        """The int8 values cast one tile at a time (~TILE_BYTES of them in the model's dtype)."""
+        return converted_tiles(layer, name, experts, layer.param_dtype)
 
     @property
     def multiply_suffixes(self) -> tuple[str, ...]:

@@ -226,8 +226,14 @@ class ExpertMethod(abc.ABC):
     """What stacked MoE experts (`Experts`, kind EXPERTS; layers/moe.py) call of their method (vLLM's
     `FusedMoEMethodBase`). Each of the experts' float kernels `name` ("gate_up", "down"; `[S, in, out]`,
     S expert slots) is held as the params `expert_params` derives from its statement; the experts' GEMMs are
-    weight-only: `expert_kernel` gives the kernel in the model's dtype and `expert_scaled` applies what the
-    method factored out of it (per-output-row scales) to a product."""
+    weight-only: `expert_kernel` gives the kernel (or a tile of its output columns) in the dtype the dot runs
+    in and `expert_scaled` applies what the method factored out of it (per-output-row scales) to a product.
+
+    `expert_parts` gives the kernel to the GEMMs, by default as the one part `expert_kernel`.
+    `expert_tiles(layer, name, experts)`: in how many tiles of output columns the experts' GEMMs build the
+    kernel of `experts` experts (1 for a float kernel, which is held as it is): a method whose kernel is a
+    conversion (int8, packed blocks) gives it one tile at a time (`Experts._product`), so no dispatch holds
+    the local experts in float at once, only ~`TILE_BYTES` of them per expert GEMM."""
 
     @abc.abstractmethod
     def expert_params(self, weight, name: str, shape: tuple[int, ...], dtype) -> dict[str, WeightParam]:
@@ -235,18 +241,48 @@ class ExpertMethod(abc.ABC):
         and `dtype` (the model's)."""
 
     @abc.abstractmethod
-    def expert_kernel(self, layer, name: str, slot: jax.Array | None, dtype) -> jax.Array:
-        """[E?, in, out] in `dtype`: the local experts `slot` (None: all) of kernel `name`, before `expert_scaled`."""
+    def expert_kernel(self, layer, name: str, slot: jax.Array | None, dtype,
+                      cols: tuple[jax.Array | int, int] | None = None) -> jax.Array:
+        """[E?, in, out] in `dtype` (or the dtype the method's dot runs in): the local experts `slot` (None: all)
+        of kernel `name`, before `expert_scaled`; `cols` (start, size): only those output columns."""
 
     @abc.abstractmethod
-    def expert_scaled(self, layer, y: jax.Array, name: str, slot: jax.Array | None) -> jax.Array:
-        """y [..., out], a product with `expert_kernel(layer, name, slot)` (slot given: one row per slot; else
-        [E_local, M, out]), times what the method factored out of kernel `name` (y itself when nothing)."""
+    def expert_scaled(self, layer, y: jax.Array, name: str, slot: jax.Array | None,
+                      cols: tuple[jax.Array | int, int] | None = None) -> jax.Array:
+        """y [..., out], a product with `expert_kernel(layer, name, slot, dtype, cols)` (slot given: one row per
+        slot; else [E_local, M, out]), times what the method factored out of kernel `name` (y itself when
+        nothing)."""
+
+    def expert_tiles(self, layer, name: str, experts: int) -> int:
+        """Tiles of output columns for the kernel of `experts` experts (class docstring): one, the kernel as held."""
+        return 1
+
+    def expert_parts(self, layer, name: str, slot: jax.Array | None, dtype,
+                     cols: tuple[jax.Array | int, int] | None = None) -> tuple[tuple[jax.Array, slice], ...]:
+        """The kernel as ((part [E?, in_part, out], the inputs it multiplies: a slice of x's last axis), ...), the
+        product the sum of the parts' dots: one part, `expert_kernel` over every input, unless the method's
+        stored order makes other parts cheaper to build (MXFP4's two nibbles of a byte: even and odd inputs)."""
+        return ((self.expert_kernel(layer, name, slot, dtype, cols), slice(None)),)
 
 
-def stacked_kernel(layer, name: str, slot: jax.Array | None, dtype) -> jax.Array:
-    """The experts' param `name` as held (its experts `slot`, or all), cast to `dtype`."""
-    w = getattr(layer, name)[...]
+def expert_columns(a: jax.Array, cols: tuple[jax.Array | int, int] | None, axis: int) -> jax.Array:
+    """Columns [start, start + size) of `a` along `axis` (`cols` None: `a`); start may be traced (a tile's)."""
+    return a if cols is None else jax.lax.dynamic_slice_in_dim(a, cols[0], cols[1], axis=axis)
+
+
+def converted_tiles(layer, name: str, experts: int, dtype) -> int:
+    """Tiles of output columns (dividing them) holding ~`TILE_BYTES` of `experts` experts' kernel `name` converted to
+    `dtype`, but at least `EXPERT_TILE_COLUMNS` columns each: `expert_tiles` of a method whose kernel is a
+    conversion."""
+    inp, out = layer.local_kernel_shape(name)                           # [in, out] of one expert on a rank
+    columns = max(EXPERT_TILE_COLUMNS, TILE_BYTES // (experts * inp * jnp.dtype(dtype).itemsize))
+    want = -(-out // columns)
+    return next(n for n in range(want, out + 1) if out % n == 0)
+
+
+def stacked_kernel(layer, name: str, slot: jax.Array | None, dtype, cols=None) -> jax.Array:
+    """The experts' param `name` as held (its experts `slot`, or all; `cols`: those output columns), cast to `dtype`."""
+    w = expert_columns(getattr(layer, name)[...], cols, -1)
     return (w if slot is None else w[slot]).astype(dtype)
 
 
@@ -285,10 +321,10 @@ class Unquantized(LinearMethod, ExpertMethod):
     def expert_params(self, weight, name, shape, dtype):
         return {"": WeightParam(weight, tuple(shape), dtype)}
 
-    def expert_kernel(self, layer, name, slot, dtype):
-        return stacked_kernel(layer, name, slot, dtype)
+    def expert_kernel(self, layer, name, slot, dtype, cols=None):
+        return stacked_kernel(layer, name, slot, dtype, cols)
 
-    def expert_scaled(self, layer, y, name, slot):
+    def expert_scaled(self, layer, y, name, slot, cols=None):
         return y
 
 
@@ -408,6 +444,9 @@ def quantize_rows(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
 
 
 TILE_BYTES = 2 * 2**20         # float bytes of one dequantized tile: stays in cache, and its buffer is reused
+EXPERT_TILE_COLUMNS = 128      # the fewest output columns of a converted tile of stacked experts: the batched dots of a
+                               # narrower tile over many local experts ran slower than converting them whole (the
+                               # tile of gpt-oss-20b's 32 experts then 47 MB, of their 3.2 GB in float32)
 
 
 def tiled_matmul(x: jax.Array, arrays: Sequence[jax.Array], dequantize: Callable[..., jax.Array], dtype,

@@ -36,6 +36,9 @@ Dispatch (local): assignments (token, choice) are either
   than the others by scripts/bench_moe.py), or
 * "dense": every local expert on every token as batched GEMMs, each token keeping its k experts'
   outputs: each local weight read once per tile of 32 tokens.
+Each dispatch multiplies by its kernels through `_product`: a method whose kernel is a conversion (int8 values,
+packed blocks: GPTQ, FP8, MXFP4, ...) builds it one tile of output columns at a time (`ExpertMethod.expert_tiles`),
+so no dispatch holds the local experts converted to float at once (scripts/bench_moe_memory.py).
 "auto": on CPU gather, for every step (the numeric contract, docs/design.md: what auto picks never depends on the
 step's size). Gather's dots have one shape per assignment, so a token's numbers are its own whatever the step;
 dense's batched dots over the experts gave a token other bits alone than among 32 others, and gather and dense
@@ -113,8 +116,9 @@ class Experts(ParallelModule):
     `method`: an `ExpertMethod` (layers/method.py): `Unquantized` (the float kernels) or, after
     `use_method(Int8())`, int8 kernels of the same shapes with per-expert output-channel scales
     `gate_up_scale[E_slots, 2F_local]`, `down_scale[E_slots, D]` (layers/int8.py), or packed ones
-    (`PackedExperts`, layers/packed.py); the loader picks it like a linear layer's (kind EXPERTS). Biases stay
-    float under any method (added after the scaled dot).
+    (`PackedExperts`, layers/packed.py: GPTQ / AWQ / FP8 / compressed-tensors, gpt-oss's MXFP4); the loader
+    picks it like a linear layer's (kind EXPERTS). Biases stay float under any method (added after the scaled
+    dot).
     """
     weight_name, weight_kind = "gate_up", EXPERTS
 
@@ -260,13 +264,40 @@ class Experts(ParallelModule):
         u = jnp.clip(u, -self.swiglu_limit, self.swiglu_limit)
         return ((u + 1.0) * (g * jax.nn.sigmoid(self.swiglu_alpha * g))).astype(self.param_dtype)
 
-    def _kernel(self, name: str, slot: jax.Array | None = None) -> jax.Array:
-        """This rank's stacked kernel `name` (its experts `slot`, or all), in the model's dtype (the method's)."""
-        return self.method.expert_kernel(self, name, slot, self.param_dtype)
+    def local_kernel_shape(self, name: str) -> tuple[int, int]:
+        """[in, out] of one expert's kernel `name` on a rank (the intermediate width split over tp in the TP
+        layout)."""
+        d, f = self.hidden_size, self.local_width()
+        return {"gate_up": (d, 2 * f), "down": (f, d)}[name]
 
-    def _scaled(self, y: jax.Array, name: str, slot: jax.Array | None = None) -> jax.Array:
-        """y [..., out] (slot given: one row per slot) times what the method factored out of kernel `name`."""
-        return self.method.expert_scaled(self, y, name, slot)
+    def local_width(self) -> int:
+        """One expert's intermediate width on a rank: F under EP, F / tp in the TP layout."""
+        return self.intermediate_size if self.slots is not None else self.intermediate_size // self.tp_size
+
+    def _product(self, name: str, slot: jax.Array | None, experts: int, dot, rows: jax.Array | None = None):
+        """`dot(kernel, inputs)` -> [..., out] float32 with kernel `name` of the experts `slot` (None: every local
+        one), summed over the method's `expert_parts` (`inputs`: the slice of x's last axis a part multiplies),
+        scaled by the method (`rows`: the slot of each product row, when it is not `slot`: ragged's sorted rows):
+        built and multiplied in `expert_tiles` tiles of output columns (a kernel the method converts, int8 or
+        packed, is never whole in float: each tile is built, multiplied and dropped), the tiles' products side
+        by side. `experts`: how many experts' kernels one tile spans (sets its size)."""
+        n = self.method.expert_tiles(self, name, experts)
+        rows = slot if rows is None else rows
+
+        def product(cols):
+            parts = self.method.expert_parts(self, name, slot, self.param_dtype, cols)
+            y = dot(*parts[0])
+            for w, inputs in parts[1:]:
+                y = y + dot(w, inputs)
+            return self.method.expert_scaled(self, y, name, rows, cols)
+        if n == 1:
+            return product(None)
+        size = self.local_kernel_shape(name)[1] // n
+
+        def tile(i):
+            return product((i * size, size))
+        y = jax.lax.map(tile, jnp.arange(n))                                    # [n, ..., size]
+        return jnp.moveaxis(y, 0, -2).reshape(*y.shape[1:-1], n * size)
 
     def _biased(self, y: jax.Array, name: str, slot: jax.Array | None = None) -> jax.Array:
         """y [..., out] (slot given: one row per slot; else [E_local, M, out]) plus kernel `name`'s bias, if any.
@@ -295,16 +326,15 @@ class Experts(ParallelModule):
 
     def gather_tile(self) -> int:
         """Assignments per gathered tile: as many as GATHER_TILE_BYTES of their experts' weights in the model's dtype
-        (what `_kernel` gathers, a packed method's dequantized; a fixed number for the model, never the step's)."""
-        f = self.intermediate_size if self.slots is not None else self.intermediate_size // self.tp_size
-        per = 3 * self.hidden_size * f * jnp.dtype(self.param_dtype).itemsize     # gate, up and down of one expert
+        (what a float method's gather copies; a packed method's tiles are smaller: `_product`); a fixed number for
+        the model, never the step's."""
+        per = 3 * self.hidden_size * self.local_width() * jnp.dtype(self.param_dtype).itemsize   # gate, up, down
         return max(1, GATHER_TILE_BYTES // per)
 
     def _gather_rows(self, xs, slot):
-        h = jnp.einsum("ad,adf->af", xs, self._kernel("gate_up", slot), preferred_element_type=jnp.float32)
-        h = self._biased(self._scaled(h, "gate_up", slot), "gate_up", slot)
-        o = jnp.einsum("af,afd->ad", self._swiglu(h), self._kernel("down", slot), preferred_element_type=jnp.float32)
-        return self._biased(self._scaled(o, "down", slot), "down", slot)
+        h = self._product("gate_up", slot, 1, lambda w, i: _dot("ad,adf->af", xs[:, i], w))
+        a = self._swiglu(self._biased(h, "gate_up", slot))
+        return self._biased(self._product("down", slot, 1, lambda w, i: _dot("af,afd->ad", a[:, i], w)), "down", slot)
 
     def _dense(self, x, slot, held, w, k):
         """Every local expert on every token as batched GEMMs (one read of the local weights per tile of rows),
@@ -315,12 +345,12 @@ class Experts(ParallelModule):
 
     def _dense_rows(self, x, slot, w):
         m = x.shape[0]
-        xe = jnp.broadcast_to(x, (self.local_experts, *x.shape))               # batched form: XLA:CPU's
-        h = jnp.einsum("emd,edf->emf", xe, self._kernel("gate_up"),          # (md,edf measured slower)
-                       preferred_element_type=jnp.float32)
-        h = self._biased(self._scaled(h, "gate_up"), "gate_up")
-        o = jnp.einsum("emf,efd->emd", self._swiglu(h), self._kernel("down"), preferred_element_type=jnp.float32)
-        o = self._biased(self._scaled(o, "down"), "down")                      # [E_local, M, D]
+        e = self.local_experts
+        xe = jnp.broadcast_to(x, (e, *x.shape))                               # batched form: XLA:CPU's
+        h = self._product("gate_up", None, e, lambda k, i: _dot("emd,edf->emf", xe[..., i], k))   # (md,edf: slower)
+        a = self._swiglu(self._biased(h, "gate_up"))
+        o = self._biased(self._product("down", None, e, lambda k, i: _dot("emf,efd->emd", a[..., i], k)), "down")
+        # o: [E_local, M, D]
         return _combine(o[slot, jnp.arange(m)[:, None]], w)                     # [M, k, D] -> [M, D]
 
     def _ragged(self, x, slot, held, w, k):
@@ -330,12 +360,22 @@ class Experts(ParallelModule):
         tok = order // k
         xs = x[tok]                                                             # [A, D], expert-sorted
         sorted_slot = jnp.where(held, slot, 0)[order]
-        h = jax.lax.ragged_dot(xs, self._kernel("gate_up"), sizes, preferred_element_type=jnp.float32)
-        h = self._biased(self._scaled(h, "gate_up", sorted_slot), "gate_up", sorted_slot)
-        o = jax.lax.ragged_dot(self._swiglu(h), self._kernel("down"), sizes, preferred_element_type=jnp.float32)
-        o = self._biased(self._scaled(o, "down", sorted_slot), "down", sorted_slot)
+        e = self.local_experts
+        h = self._product("gate_up", None, e, lambda k, i: _ragged_dot(xs[:, i], k, sizes), rows=sorted_slot)
+        a = self._swiglu(self._biased(h, "gate_up", sorted_slot))
+        o = self._product("down", None, e, lambda k, i: _ragged_dot(a[:, i], k, sizes), rows=sorted_slot)
+        o = self._biased(o, "down", sorted_slot)
         o = jnp.where(held[order][:, None], o, 0.0) * w[order][:, None]
         return jnp.zeros((x.shape[0], o.shape[-1]), jnp.float32).at[tok].add(o)
+
+
+def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum(spec, x, w) accumulated in float32, x in the kernel's dtype (a packed method's "bf16" dot: bf16)."""
+    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(x.astype(w.dtype), w, sizes, preferred_element_type=jnp.float32)
 
 
 def _combine(o: jax.Array, w: jax.Array) -> jax.Array:

@@ -32,7 +32,7 @@ from tp_jax.parallel.layers.loading import LazyTensor
 from tp_jax.parallel.layers.method import EMBEDDING, EXPERTS, LINEAR, Bfloat16, Stored16, LinearMethod, QuantizationError
 
 FLOAT_TYPES = ("F32", "F16", "BF16")          # GGUF tensor types that load as float
-PACKED_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")   # published formats (models/quant_config.py)
+PACKED_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "mxfp4")   # published formats (models/quant_config.py)
 AUTO, NONE = "auto", "none"                   # the names that are no configuration: pick by checkpoint; float
 
 
@@ -157,7 +157,8 @@ class GGUFBf16Config(GGUFConfig):
 
 class PackedConfig(QuantizationConfig):
     """`PackedWeight` (layers/packed.py) for the linear layers of a GPTQ / AWQ / FP8 / compressed-tensors
-    checkpoint (the loader's `PackedTensor`s) and `PackedExperts` for its stacked MoE experts; its float
+    checkpoint (the loader's `PackedTensor`s) and `PackedExperts` for its stacked MoE experts (gpt-oss's MXFP4
+    experts: their FP4 codes and E8M0 exponents as stored, loaders/mxfp4.py); its float
     tensors stay float: the vocab tables in the 16 bits they are stored in (`Stored16`), the router and norms
     in the run's dtype. `name` is vLLM's method name, which must be the
     checkpoint's; "<method>_bf16" dots in bf16."""

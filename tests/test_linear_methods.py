@@ -212,7 +212,7 @@ def test_unknown_method_name_lists_the_choices():
     with pytest.raises(QuantizationError, match=r"unknown quantization method 'int4'; choose one of \['auto', "
                                                 r"'none', 'awq', 'awq_bf16', 'bf16', 'compressed-tensors', "
                                                 r"'compressed-tensors_bf16', 'fp8', 'fp8_bf16', 'gguf', 'gguf_bf16', "
-                                                r"'gptq', 'gptq_bf16', 'int8', 'w8a8', 'w8a8x2', 'w8a8x2_bf16'\]"):
+                                                r"'gptq', 'gptq_bf16', 'int8', 'mxfp4', 'mxfp4_bf16', 'w8a8', 'w8a8x2', 'w8a8x2_bf16'\]"):
         quantization_config("int4")
     with pytest.raises(QuantizationError, match=r"GGUF quant type 'Q5_0' is not kept quantized; kept: "
                                                 r"\['Q8_0', 'Q4_0', 'Q4_1'\]"):

@@ -279,11 +279,11 @@ def test_gguf_on_a_float_checkpoint_is_refused(int8_refs):
 @pytest.mark.parametrize("value,error,message", [
     ("int4", ValueError, "quantization='int4' is not a quantization method; choose one of 'auto', 'none', 'awq', "
                          "'awq_bf16', 'bf16', 'compressed-tensors', 'compressed-tensors_bf16', 'fp8', 'fp8_bf16', "
-                         "'gguf', 'gguf_bf16', 'gptq', 'gptq_bf16', 'int8', 'w8a8', 'w8a8x2', 'w8a8x2_bf16', or None "
+                         "'gguf', 'gguf_bf16', 'gptq', 'gptq_bf16', 'int8', 'mxfp4', 'mxfp4_bf16', 'w8a8', 'w8a8x2', 'w8a8x2_bf16', or None "
                          "(every weight in float)"),
     (8, TypeError, "quantization=8 must be a string, one of 'auto', 'none', 'awq', 'awq_bf16', 'bf16', "
                    "'compressed-tensors', 'compressed-tensors_bf16', 'fp8', 'fp8_bf16', 'gguf', 'gguf_bf16', 'gptq', "
-                   "'gptq_bf16', 'int8', 'w8a8', 'w8a8x2', 'w8a8x2_bf16' or None, got int"),
+                   "'gptq_bf16', 'int8', 'mxfp4', 'mxfp4_bf16', 'w8a8', 'w8a8x2', 'w8a8x2_bf16' or None, got int"),
 ])
 def test_unknown_quantization_argument_fails_before_the_load(value, error, message):
     with pytest.raises(error) as e:

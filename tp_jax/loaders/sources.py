@@ -62,13 +62,18 @@ def open_checkpoint(path: str, *, config: bool = True) -> Checkpoint:
     return Checkpoint(path, packed_source(SafetensorsSource(path), path), cfg)
 
 
+def quantization_config_of(path: str) -> dict | None:
+    """config.json's `quantization_config` in checkpoint directory `path` (None: none, or no config.json)."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return None
+    with open(config_file) as f:
+        return json.load(f).get("quantization_config")
+
+
 def packed_source(source, path: str):
     """`source`, or a `PackedSource` over it when config.json declares GPTQ / AWQ / FP8 / compressed-tensors /
     MXFP4."""
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        return source
-    with open(config_file) as f:
-        qc = json.load(f).get("quantization_config")
+    qc = quantization_config_of(path)
     quant = checkpoint_quant(qc) if qc else None
     return source if quant is None else PackedSource(source, quant)

@@ -94,6 +94,11 @@ def _head_sinks(sinks: jax.Array, hkv: int) -> jax.Array:
     return sinks.astype(jnp.float32).reshape(hkv, -1)
 
 
+def _kv_scales(scales):
+    """(k scale, v scale) of a layer's f32[2] float8 scales, or (None, None): none (1.0)."""
+    return (None, None) if scales is None else (scales[0], scales[1])
+
+
 def write_pool(pool: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array, stored=None, scale=None):
     """pool[L, H, NB, bs, hd] with new[N, H, hd] written at layer `layer`, flat slots[N] (< 0: skipped). `stored`: the
     `KVQuant` whose bits the uint8 pool holds (`quantize_rows`); `scale`: the layer's per-tensor float8 scale."""
@@ -167,7 +172,7 @@ def split_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
     hq, hd = q.shape[1:]
     hkv = k_pool.shape[1]
     row = batch.chunk_row
-    k_scale, v_scale = (None, None) if scales is None else (scales[0], scales[1])
+    k_scale, v_scale = _kv_scales(scales)
     k = gather_rows(k_pool, layer, batch.chunk_tables, q.dtype, stored, k_scale)          # [Rv, Hkv, S, hd]
     v = k[..., :v_dim] if v_dim is not None else gather_rows(v_pool, layer, batch.chunk_tables, q.dtype, stored,
                                                              v_scale)
@@ -280,7 +285,7 @@ def _paged(q, k_pool, v_pool, layer, positions, batch, scale, window, attend_fn,
     d, p = batch.decode_tables.shape[0], batch.prefill_tables.shape[0]
     n, hq, hd = q.shape
     hv = hd if v_dim is None else v_dim
-    k_scale, v_scale = (None, None) if scales is None else (scales[0], scales[1])
+    k_scale, v_scale = _kv_scales(scales)
 
     def gather(tables):
         k = gather_rows(k_pool, layer, tables, q.dtype, stored, k_scale)
@@ -358,7 +363,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array | None, positions: jax.Array
     k_pool, v_pool, outs = cache.k, cache.v, []
     extra = {name: value for name, value in (("softcap", softcap), ("sinks", sinks), ("v_dim", v_dim),
                                              ("stored", cache.stored), ("scales", cache.scales)) if value is not None}
-    k_scale, v_scale = (None, None) if cache.scales is None else (cache.scales[0], cache.scales[1])
+    k_scale, v_scale = _kv_scales(cache.scales)
     for b in range(q.shape[0]):                    # B is 1 inside the pipeline (one micro-batch)
         k_pool = write_pool(k_pool, cache.layer, batch.slots[b], k[b], cache.stored, k_scale)
         if v_dim is None:

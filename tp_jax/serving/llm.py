@@ -68,13 +68,14 @@ def checkpoint_facts(checkpoint, mesh) -> CheckpointFacts:
 def checkpoint_kv_scales(checkpoint, kv_cache_dtype: str):
     """The checkpoint's KV scales a float8 cache reads (KVScales per layer), else None; what is not read, logged."""
     from tp_jax.loaders.kv_scales import has_kv_scales, read_kv_scales
+    from tp_jax.loaders.sources import quantization_config_of
     from tp_jax.models.quant_config import kv_cache_scheme_problem
     if not kv_cache_dtype.startswith("fp8"):
         if kv_cache_dtype != "auto" and has_kv_scales(checkpoint.source):
             log.info("kv_cache_dtype=%s: the checkpoint's k_scale / v_scale are not read (int8 keeps a scale per "
                      "token and head)", kv_cache_dtype)
         return None
-    problem = kv_cache_scheme_problem(_quantization_config(checkpoint.path))
+    problem = kv_cache_scheme_problem(quantization_config_of(checkpoint.path))
     if problem:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: {problem}; use kv_cache_dtype='auto' or 'int8' with "
                          f"this checkpoint")
@@ -86,14 +87,6 @@ def checkpoint_kv_scales(checkpoint, kv_cache_dtype: str):
         log.info("kv_cache_dtype=%s: the checkpoint's scales per layer: k %s..%s, v %s..%s", kv_cache_dtype,
                  min(scales.k), max(scales.k), min(scales.v), max(scales.v))
     return scales
-
-
-def _quantization_config(path: str) -> dict | None:
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        return None
-    with open(config_file) as f:
-        return json.load(f).get("quantization_config")
 
 
 def engine_model_config(config, setup: EngineSetup):

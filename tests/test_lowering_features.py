@@ -257,4 +257,4 @@ def test_the_pallas_attention_backend_exports_for_a_tpu_as_one_mosaic_kernel(sou
                                                               shape=shape).mlir_module()
     assert accelerator_problems(text) == ["custom call 'tpu_custom_call': a kernel XLA's accelerator backends may "
                                           "not have"]
-    assert text.count("custom_call @tpu_custom_call") == 1 and "tp_jax_paged_decode_tpu" in text
+    assert text.count("custom_call @tpu_custom_call") == 1 and "tp_jax_paged_attention_tpu" in text

@@ -18,7 +18,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from tp_jax.models.attention import paged_reference
+from tp_jax.models.attention import paged_pallas, paged_reference
 from tp_jax.models.cache import PagedBatch
 from tp_jax.models.paged_kernel import paged_decode, paged_decode_tpu
 
@@ -97,7 +97,7 @@ def test_lowered_for_cuda_it_is_one_triton_kernel():
     run = jax.jit(lambda q, kp, vp, n, t: paged_decode(q, kp, vp, jnp.int32(1), n, t, 0.25, 8, 5.0, sinks,
                                                         interpret=False))
     text = run.trace(q, kp, vp, positions + 1, tables).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @__gpu$xla.gpu.triton") == 1 and "tp_jax_paged_decode" in text
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 1 and "tp_jax_paged_attention" in text
 
 
 def test_exported_for_a_tpu_it_is_one_mosaic_kernel():
@@ -114,7 +114,126 @@ def test_exported_for_a_tpu_it_is_one_mosaic_kernel():
     args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, kp, vp, positions, tables)]
     with jax.sharding.use_abstract_mesh(tpu):
         text = export.export(run, platforms=["tpu"])(*args).mlir_module()
-    assert text.count("custom_call @tpu_custom_call") == 1 and "tp_jax_paged_decode_tpu" in text
+    assert text.count("custom_call @tpu_custom_call") == 1 and "tp_jax_paged_attention_tpu" in text
+
+
+# --- ragged launches: decode rows and prefill chunks together --------------------------------------------------
+
+RAGGED_ROWS = [(12, 1), (40, 1), (0, 1), (0, 16), (5, 11), (30, 3)]   # (cached context, new tokens); decodes first
+
+
+def ragged_case(groups: int, dtype, seed: int = 0, rows=RAGGED_ROWS, hd: int = HD, width: int = 16, hkv: int = 2):
+    """A pool holding every row's keys (its cached context and this step's tokens: a prefill chunk after a prefix
+    hit starts at its context), the flat step's q and positions, and its PagedBatch (decode tables, prefill tables
+    and the [P, width] prefill index, N for padding)."""
+    rng = np.random.default_rng(seed)
+    hq = hkv * groups
+    d = sum(1 for _, n in rows if n == 1)
+    n_tok = sum(n for _, n in rows) + 2                                     # 2 padding tokens
+    tables = np.zeros((len(rows), 16), np.int32)
+    index = np.full((len(rows) - d, width), n_tok, np.int32)
+    pos = np.zeros(n_tok, np.int32)
+    free, off = rng.permutation(NB), 0
+    for i, (ctx, new) in enumerate(rows):
+        m = -(-(ctx + new) // BS)
+        tables[i, :m], free = free[:m], free[m:]
+        pos[off:off + new] = np.arange(ctx, ctx + new)
+        if i >= d:
+            index[i - d, :new] = np.arange(off, off + new)
+        off += new
+    pools = [jnp.asarray(rng.standard_normal((3, hkv, NB, BS, hd)), dtype) for _ in range(2)]
+    q = jnp.asarray(rng.standard_normal((n_tok, hq, hd)), dtype)
+    empty = jnp.zeros((0, 2), jnp.int32)
+    batch = PagedBatch(jnp.full((n_tok,), -1, jnp.int32), jnp.asarray(tables[:d]), empty, jnp.zeros((0,), jnp.int32),
+                       jnp.zeros((0,), jnp.int32), jnp.asarray(tables[d:]), jnp.asarray(index))
+    sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+    return q, *pools, jnp.asarray(pos), batch, sinks, off
+
+
+RAGGED = [(form, g, v, t) for form in ("triton", "mosaic") for g, v, t in (
+    (4, "plain", "float32"), (4, "window8", "float32"), (6, "sinks_window", "float32"), (1, "softcap", "float32"),
+    (4, "plain", "bfloat16"))]
+
+
+@pytest.mark.parametrize("form,groups,variant,dtype", RAGGED)
+def test_a_ragged_launch_equals_the_reference(form, groups, variant, dtype):
+    """Decode rows and prefill chunks (one after a 5-token prefix, one of 3 tokens after 30) in one launch."""
+    q, kp, vp, pos, batch, sinks, n = ragged_case(groups, jnp.dtype(dtype))
+    opts = dict(VARIANTS[variant])
+    window = opts.pop("window", None)
+    extra = {k: v for k, v in (("softcap", opts.get("softcap")), ("sinks", sinks if opts.get("sinks") else None))
+             if v is not None}
+    ref = paged_reference(q, kp, vp, jnp.int32(2), pos, batch, 0.25, window, **extra)[:n]
+    got = paged_pallas(q, kp, vp, jnp.int32(2), pos, batch, 0.25, window, form=form, **extra)[:n]
+    diff = float(jnp.abs(ref.astype(jnp.float32) - got.astype(jnp.float32)).max())
+    bound = 1e-5 if dtype == "float32" else 2 ** -7 * float(jnp.abs(ref.astype(jnp.float32)).max())
+    assert got.dtype == q.dtype and diff <= bound, (form, variant, groups, dtype, diff)
+
+
+@pytest.mark.parametrize("form", ["triton", "mosaic"])
+def test_the_latent_pool_in_a_ragged_launch(form):
+    """MLA's latent pool: one KV head, the values its first r channels, no value pool (r = 16, rope = 8 here)."""
+    q, kp, _, pos, batch, _, n = ragged_case(8, jnp.float32, seed=3, hd=24, hkv=1)
+    vp = jnp.zeros(kp.shape[:-1] + (0,), kp.dtype)
+    ref = paged_reference(q, kp, vp, jnp.int32(1), pos, batch, 0.2, None, v_dim=16)[:n]
+    got = paged_pallas(q, kp, vp, jnp.int32(1), pos, batch, 0.2, None, v_dim=16, form=form)[:n]
+    assert got.shape == ref.shape == (n, 8 * 16)
+    assert float(jnp.abs(ref - got).max()) <= 1e-5
+
+
+@pytest.mark.parametrize("form", ["triton", "mosaic"])
+def test_a_row_in_a_ragged_launch_is_the_same_alone(form):
+    """The numeric contract in one launch: a decode row alone (a decode-only launch), and a prefill chunk alone, equal
+    the same rows inside the mixed launch, bit for bit."""
+    q, kp, vp, pos, batch, sinks, n = ragged_case(4, jnp.float32, seed=5)
+    run = lambda q, pos, b: paged_pallas(q, kp, vp, jnp.int32(0), pos, b, 0.25, 8, 5.0, sinks, form=form)  # noqa
+    together = np.asarray(run(q, pos, batch))
+    d = batch.decode_tables.shape[0]
+    for i in range(d):                                                    # decode rows
+        alone = batch.replace(decode_tables=batch.decode_tables[i:i + 1], prefill_tables=batch.prefill_tables[:0],
+                              prefill_index=batch.prefill_index[:0])
+        np.testing.assert_array_equal(np.asarray(run(q[i:i + 1], pos[i:i + 1], alone))[0], together[i])
+    for j in range(batch.prefill_tables.shape[0]):                        # prefill chunks
+        tokens = np.asarray(batch.prefill_index[j])
+        tokens = tokens[tokens < n]
+        alone = batch.replace(decode_tables=batch.decode_tables[:0], prefill_tables=batch.prefill_tables[j:j + 1],
+                              prefill_index=jnp.arange(16, dtype=jnp.int32)[None].at[0, len(tokens):].set(len(tokens)))
+        got = np.asarray(run(q[tokens], pos[tokens], alone))
+        np.testing.assert_array_equal(got, together[tokens])
+
+
+def test_a_ragged_launch_lowers_for_cuda_and_tpu():
+    """A mixed step's launch, and MLA's latent pool at DeepSeek-V3's widths (r = 512, rope = 64, 16 heads a rank),
+    lowered: one Triton kernel for `cuda`, one Mosaic kernel exported for a TPU v6e."""
+    q, kp, vp, pos, batch, sinks, _ = ragged_case(4, jnp.bfloat16)
+    mixed = lambda form: jax.jit(lambda q, kp, vp, pos: paged_pallas(         # noqa: E731
+        q, kp, vp, jnp.int32(1), pos, batch, 0.25, 8, None, sinks, form=form))
+    assert _lowered_kernels(mixed("triton"), "cuda", q, kp, vp, pos) == 1
+    assert _lowered_kernels(mixed("mosaic"), "tpu", q, kp, vp, pos) == 1
+    ql, kl, _, posl, batchl, _, _ = ragged_case(16, jnp.bfloat16, hd=576, hkv=1, seed=2)
+    vl = jnp.zeros(kl.shape[:-1] + (0,), kl.dtype)
+    latent = lambda form: jax.jit(lambda q, kp, vp, pos: paged_pallas(        # noqa: E731
+        q, kp, vp, jnp.int32(1), pos, batchl, 0.1, None, v_dim=512, form=form))
+    assert _lowered_kernels(latent("triton"), "cuda", ql, kl, vl, posl) == 1
+    assert _lowered_kernels(latent("mosaic"), "tpu", ql, kl, vl, posl) == 1
+
+
+def _lowered_kernels(fn, platform: str, *args) -> int:
+    """How many Pallas kernels `fn` lowers to for `platform` (cuda: Triton custom calls; tpu: Mosaic ones, exported for
+    a TPU v6e), as the platform's default backend (not in the interpreter)."""
+    from unittest import mock
+    if platform == "cuda":
+        with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+            text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return text.count("custom_call @__gpu$xla.gpu.triton")
+    from jax import export
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh, AxisType
+    tpu = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,),
+                       abstract_device=AbstractDevice("TPU v6 lite", 1, "tpu"))
+    with mock.patch.object(jax, "default_backend", lambda: "tpu"), jax.sharding.use_abstract_mesh(tpu):
+        text = export.export(fn, platforms=["tpu"])(*[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args])
+    return text.mlir_module().count("custom_call @tpu_custom_call")
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +246,14 @@ def checkpoints(tmp_path_factory):
     from tests.tiny_models import make_checkpoint, randomize
     root = str(tmp_path_factory.mktemp("paged_kernel"))
     torch.manual_seed(0)
-    oss = _randomize_extras(randomize(transformers.AutoModelForCausalLM.from_config(hf_config("gpt_oss")).eval()))
-    oss.save_pretrained(os.path.join(root, "gpt_oss"), safe_serialization=True)
-    return {"llama": make_checkpoint("gqa", root), "gpt_oss": os.path.join(root, "gpt_oss")}
+    for name in ("gpt_oss", "ds3"):
+        model = _randomize_extras(randomize(transformers.AutoModelForCausalLM.from_config(hf_config(name)).eval()))
+        model.save_pretrained(os.path.join(root, name), safe_serialization=True)
+    return {"llama": make_checkpoint("gqa", root), "gpt_oss": os.path.join(root, "gpt_oss"),
+            "ds3": os.path.join(root, "ds3")}
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("name", ["llama", "gpt_oss", "ds3"])
 def test_the_engine_with_the_kernel_equals_the_reference_backend(checkpoints, name):
     from tp_jax import LLM, SamplingParams
     rng = np.random.default_rng(1)

@@ -32,9 +32,9 @@ its own length alone, so its numbers never depend on the other rows of its step.
 (q, k_pool, v_pool, layer, positions, batch: one micro-batch's PagedBatch, scale, window); the
 reference (gather + masked softmax in jax.numpy, float32) runs everywhere and is the oracle for
 any other: "bf16" attends the decode rows split-K with both dots' operands rounded to bfloat16
-(float32 accumulation; only when named: `LLM(attention_backend="bf16")`); "pallas" attends the decode rows with
-the Pallas kernel of tp_jax/models/paged_kernel.py (each row's blocks read where they lie; Triton on a GPU, Mosaic
-on a TPU, Pallas' interpreter on a CPU; only when named).
+(float32 accumulation; only when named: `LLM(attention_backend="bf16")`); "pallas" attends every row, decode and
+prefill, in one launch of the ragged Pallas kernel of tp_jax/models/paged_kernel.py (each row's blocks read where
+they lie; Triton on a GPU, Mosaic on a TPU, Pallas' interpreter on a CPU).
 """
 
 from __future__ import annotations
@@ -322,22 +322,37 @@ def paged_bf16(q, k_pool, v_pool, layer, positions, batch, scale, window, softca
 
 
 def paged_pallas(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=None, sinks=None, v_dim=None,
-                 stored=None, scales=None):
-    """`paged_reference` with the decode rows attended by the Pallas kernel (tp_jax/models/paged_kernel.py: each
-    row's blocks read where they lie, no gathered copy; Triton on a GPU, Pallas' interpreter on a CPU); prefill
-    rows, MLA's latent pool and a quantized pool (float8, int8) by the reference. On a TPU the kernel's Mosaic form
-    (`paged_decode_tpu`: the pool in HBM, pages copied into VMEM by DMA)."""
-    from tp_jax.models.paged_kernel import paged_decode, paged_decode_tpu
-    kw = {k: x for k, x in (("softcap", softcap), ("sinks", sinks), ("v_dim", v_dim), ("stored", stored),
-                            ("scales", scales)) if x is not None}
-    d = batch.decode_tables.shape[0]
-    if v_dim is not None or stored is not None or not d:
-        return paged_reference(q, k_pool, v_pool, layer, positions, batch, scale, window, **kw)
-    out = paged_reference(q, k_pool, v_pool, layer, positions, batch.replace(decode_tables=batch.decode_tables[:0]),
-                          scale, window, **kw)
-    kernel = paged_decode_tpu if jax.default_backend() == "tpu" else paged_decode
-    dec = kernel(q[:d], k_pool, v_pool, layer, positions[:d] + 1, batch.decode_tables, scale, window, softcap, sinks)
-    return out.at[:d].set(dec.astype(out.dtype))
+                 stored=None, scales=None, form: str | None = None):
+    """`paged_reference` by the Pallas kernel (tp_jax/models/paged_kernel.py), one launch for the step's decode rows
+    and prefill chunks: each row's blocks read where they lie, no gathered copy (Triton on a GPU, Mosaic on a TPU,
+    Pallas' interpreter on a CPU). A prefill chunk's T queries go as T / QB blocks of QB queries (`query_block`, a
+    property of the model), each with its chunk's table. A quantized pool (float8, int8) is left to the reference.
+    `form`: the kernel's "triton" or "mosaic" form (None: the platform's; Triton's off a TPU)."""
+    from tp_jax.models.paged_kernel import paged_attention, query_block
+    if stored is not None:
+        return paged_reference(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=softcap,
+                               sinks=sinks, v_dim=v_dim, stored=stored, scales=scales)
+    form = form or ("mosaic" if jax.default_backend() == "tpu" else "triton")
+    n, hq, _ = q.shape
+    d, p = batch.decode_tables.shape[0], batch.prefill_tables.shape[0]
+    qb = 1 if not p else query_block(hq // k_pool.shape[1], form)
+    index = [jnp.pad(jnp.arange(d, dtype=jnp.int32)[:, None], ((0, 0), (0, qb - 1)), constant_values=n)]
+    tables = [batch.decode_tables]
+    if p:
+        t = batch.prefill_index.shape[1]
+        rows = jnp.pad(batch.prefill_index, ((0, 0), (0, -t % qb)), constant_values=n)
+        index.append(rows.reshape(-1, qb))
+        tables.append(jnp.repeat(batch.prefill_tables, rows.shape[1] // qb, axis=0))
+    width = max(x.shape[1] for x in tables)
+    tables = jnp.concatenate([jnp.pad(x, ((0, 0), (0, width - x.shape[1]))) for x in tables])
+    index = jnp.concatenate(index)                                                     # [R, QB]: N for padding
+    q_rows = jnp.take(q, index, axis=0, mode="fill", fill_value=0)
+    q_pos = jnp.take(positions, index, axis=0, mode="fill", fill_value=-1)
+    out = paged_attention(q_rows, k_pool, v_pool, layer, q_pos, tables, scale, window, softcap, sinks, v_dim,
+                          decode_rows=d, form=form)
+    hv = out.shape[-1] // hq
+    return jnp.zeros((n, hq * hv), q.dtype).at[index.reshape(-1)].set(
+        out.reshape(-1, hq * hv).astype(q.dtype), mode="drop")
 
 
 PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "bf16": paged_bf16, "pallas": paged_pallas}

@@ -1,20 +1,31 @@
-"""Paged decode attention as a Pallas kernel: each decode row's query heads over its own blocks, read through its
-block table where they lie in the pool, with no gathered copy of the context.
+"""Ragged paged attention as a Pallas kernel: one launch serves a step's decode rows and prefill chunks, each row's
+queries over its own blocks, read through its block table where they lie in the pool, with no gathered copy.
 
-One program per (decode row, KV head) reads the row's blocks PAGES_PER_STEP at a time, only those its window and
-length reach (the loop's bounds come from the row itself), and keeps an online softmax (the running max, the sum
-of exponentials and the unnormalized output; flash attention's recurrence), so a row's numbers depend on its own
-blocks alone: batch-invariant by construction. It covers GQA groups, a per-layer sliding window (an int or a
-traced per-layer value), Gemma 2's logit soft-capping and gpt-oss's sinks (the recurrence starts from the sink: m =
-sink, l = 1, o = 0). MLA's latent pool and a float8 pool are left to the reference (`paged_pallas` falls back).
+A launch takes R rows of queries, q[R, QB, Hq, hd] at positions q_pos[R, QB] (-1: padding), each with its block
+table. The first `decode_rows` rows are decode rows (one query, token 0); the others are prefill blocks of QB
+queries of one prefill chunk (`paged_pallas` in tp_jax/models/attention.py cuts a step's chunks into blocks of
+`query_block(G)` queries, so a row's tile never depends on the step). One program per (row, KV head) reads the
+row's blocks PAGES_PER_STEP at a time, only those its queries' window and positions reach (the loop's bounds come
+from the row itself), and keeps an online softmax per query (the running max, the sum of exponentials and the
+unnormalized output; flash attention's recurrence). A decode row is attended with a tile of its G query heads, a
+prefill block with QB x G: a row's numbers depend on its own blocks alone, bit for bit whatever else the launch
+holds (a step of masked keys leaves a query's partials exactly as they were).
 
-Two forms of one algorithm. `paged_decode`, Pallas on Triton (GPU): the query heads of a KV head are padded to a
-multiple of 16 (Triton's smallest dot) and the pool's blocks are read by row (`layer * kv_heads + head`) and block
-id. `paged_decode_tpu`, Pallas on Mosaic (TPU): the pool stays in HBM and each loop step copies the row's next pages
-into VMEM by DMA, the block table scalar-prefetched into SMEM. On a CPU both run in Pallas' interpreters, which is
-how tests/test_paged_kernel.py checks them against the reference; it lowers them for `cuda` and `tpu` too. JAX's own
-`pallas.ops.gpu.paged_attention` takes one layer's pool, which would be a copy of the layer's whole pool out of
-tp_jax's stacked one per step, and has no window or sinks: hence this kernel.
+It covers GQA groups, a per-layer sliding window (an int or a traced per-layer value), Gemma 2's logit
+soft-capping, gpt-oss's sinks (the recurrence starts from the sink: m = sink, l = 1, o = 0) and MLA's latent pool
+(one KV head whose values are the keys' first r channels; on Triton the scores are q_c . c + q_pe . k_pe, two dots
+of power-of-two widths, as vLLM's MLA kernels split them). A quantized pool (float8, int8) is left to the reference
+(`paged_pallas` falls back).
+
+Two forms of one algorithm (`_attend_rows`). `form="triton"`, Pallas on Triton (GPU): the query heads of a KV head
+are padded to a multiple of 16 (Triton's smallest dot) and the pool's blocks are read by row (`layer * kv_heads +
+head`) and block id. `form="mosaic"`, Pallas on Mosaic (TPU): the pool stays in HBM and each loop step copies the
+row's next pages into VMEM by DMA, the block tables scalar-prefetched into SMEM. On a CPU both run in Pallas'
+interpreters, which is how tests/test_paged_kernel.py checks them against the reference; it lowers them for `cuda`
+and `tpu` too. Why not a kept kernel: JAX's `pallas.ops.gpu.paged_attention` takes one layer's pool (a copy of the
+layer's whole pool out of tp_jax's stacked one per step) and has no window, sinks or prefill rows; JAX's TPU
+`ragged_paged_attention` reads one layer's combined [pages, page, heads x 2, hd] pool (per-layer pools and an
+unrolled layer loop) and has no latent layout (docs/design.md).
 """
 
 from __future__ import annotations
@@ -23,118 +34,110 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
 PAGES_PER_STEP = 4      # blocks a program reads per loop step (one [PAGES_PER_STEP * block_size, hd] tile of keys)
-HEAD_TILE = 16          # query heads of a KV head padded to a multiple of this (Triton's smallest dot dimension)
+HEAD_TILE = {"triton": 16, "mosaic": 8}   # query heads of a KV head padded to a multiple of this (Triton's smallest
+#                                           dot dimension; a TPU's sublanes)
+QUERY_TILE = 128        # rows (queries x padded heads) of a prefill block's tile, at most
 NO_WINDOW = 1 << 30
 
 
-def _attend_row(q, sinks, length, window, load, *, scale: float, softcap: float | None, span: int, hv: int):
-    """One row's query heads q[G, hd] (float32) over its keys, `span` at a time: `load(c)` gives step c's k, v
-    [span, hd] in float32. The loop runs over the steps its window and length reach; returns [G, hv]."""
-    g = q.shape[0]
+def query_block(groups: int, form: str = "triton") -> int:
+    """QB, the queries of one prefill block: QUERY_TILE rows of the tile over the padded query heads of a KV head
+    (a power of two, at least 1). It depends on the model alone, never on the step."""
+    gp = _padded(groups, form)
+    return max(1, 1 << max(0, (QUERY_TILE // gp).bit_length() - 1))
+
+
+def _padded(groups: int, form: str) -> int:
+    tile = HEAD_TILE[form]
+    return -(-groups // tile) * tile
+
+
+def _attend_rows(q_parts, q_pos, lo, hi, sinks, window, load, *, scale: float, softcap: float | None, span: int,
+                 hv: int):
+    """M query rows over one row's keys, `span` at a time. q_parts: the queries [M, d_i] (float32), split as `load`
+    splits the keys; q_pos[M, 1] each query's position (-1: none); lo, hi: the row's first and last valid query
+    position + 1 bound the loop; `load(c)` gives step c's key parts [span, d_i] and values [span, hv] in float32;
+    sinks[M] or None. Returns [M, hv]."""
+    m_rows = q_pos.shape[0]
 
     def step(c, carry):
         m, l, o = carry
-        k, v = load(c)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        keys, v = load(c)
+        s = None
+        for qp, kp in zip(q_parts, keys):
+            part = jax.lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s = part if s is None else s + part
+        s = s * scale
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
-        pos = c * span + jax.lax.broadcasted_iota(jnp.int32, (g, span), 1)
-        s = jnp.where((pos < length) & (pos > length - 1 - window), s, -jnp.inf)
+        pos = c * span + jax.lax.broadcasted_iota(jnp.int32, (m_rows, span), 1)
+        s = jnp.where((pos <= q_pos) & (pos > q_pos - window), s, -jnp.inf)
         top = jnp.maximum(m, s.max(axis=1))
         base = jnp.where(jnp.isfinite(top), top, 0.0)
         a, p = jnp.exp(m - base), jnp.exp(s - base[:, None])
         return top, l * a + p.sum(axis=1), o * a[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
 
     if sinks is None:
-        start = (jnp.full((g,), -jnp.inf, jnp.float32), jnp.zeros((g,), jnp.float32))
+        start = (jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
     else:
-        start = (sinks.reshape(g).astype(jnp.float32), jnp.ones((g,), jnp.float32))
-    first = jnp.maximum(length - window, 0) // span                 # the first step whose keys the window reaches
-    _, l, o = jax.lax.fori_loop(first, (length + span - 1) // span, step, (*start, jnp.zeros((g, hv), jnp.float32)))
+        start = (sinks.reshape(m_rows).astype(jnp.float32), jnp.ones((m_rows,), jnp.float32))
+    first = jnp.maximum(lo + 1 - window, 0) // span                 # the first step whose keys the window reaches
+    _, l, o = jax.lax.fori_loop(first, (hi + span - 1) // span, step, (*start, jnp.zeros((m_rows, hv), jnp.float32)))
     return o / jnp.where(l > 0, l, 1.0)[:, None]
 
 
-def _decode_kernel(layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *,
-                   scale: float, softcap: float | None, kv_heads: int, block_size: int):
+def _rows(q_ref, pos_ref, sinks_ref, o_ref, lo, hi, window, load, *, decode_rows: int, parts, scale, softcap, span,
+          hv):
+    """Run this program's row: a decode row (row < decode_rows) with a tile of its padded heads, a prefill block
+    with QB of them; `parts` the (start, size) of each key part along hd."""
+    tokens, gp = q_ref.shape[0], q_ref.shape[1]
+
+    def run(n):
+        m = n * gp
+        q = [(q_ref[0, :, pl.ds(a, b)] if n == 1 else q_ref[:, :, pl.ds(a, b)].reshape(m, b)).astype(jnp.float32)
+             for a, b in parts]
+        sinks = None if sinks_ref is None else sinks_ref[0, pl.ds(0, m)]
+        o = _attend_rows(q, pos_ref[pl.ds(0, m), :], lo, hi, sinks, window, load, scale=scale, softcap=softcap,
+                         span=span, hv=hv)
+        if n == 1:
+            o_ref[0] = o.astype(o_ref.dtype)
+        else:
+            o_ref[...] = o.reshape(n, gp, hv).astype(o_ref.dtype)
+
+    if tokens == 1 or decode_rows == 0:
+        run(tokens)
+        return
+    row = pl.program_id(0)
+    pl.when(row < decode_rows)(lambda: run(1))
+    pl.when(row >= decode_rows)(lambda: run(tokens))
+
+
+def _triton_kernel(layer_ref, window_ref, lo_ref, hi_ref, tables_ref, q_ref, pos_ref, k_ref, v_ref, sinks_ref, o_ref,
+                   *, kv_heads: int, block_size: int, v_dim: int | None, **kw):
     row, head = pl.program_id(0), pl.program_id(1)
     pool_row = layer_ref[0] * kv_heads + head
     span = PAGES_PER_STEP * block_size
+    hd = k_ref.shape[-1]
 
     def load(c):
         pages = tables_ref[pl.ds(c * PAGES_PER_STEP, PAGES_PER_STEP)]
-        return (k_ref[pool_row, pages].reshape(span, -1).astype(jnp.float32),
-                v_ref[pool_row, pages].reshape(span, -1).astype(jnp.float32))
+        tile = lambda ref, a, b: ref[pool_row, pages, :, pl.ds(a, b)].reshape(span, b).astype(jnp.float32)  # noqa
+        if v_dim is None:
+            return [tile(k_ref, 0, hd)], tile(v_ref, 0, v_ref.shape[-1])
+        latent = tile(k_ref, 0, v_dim)
+        return [latent, tile(k_ref, v_dim, hd - v_dim)], latent
 
-    o_ref[...] = _attend_row(q_ref[...].astype(jnp.float32), None if sinks_ref is None else sinks_ref[...],
-                             lengths_ref[row], window_ref[0], load, scale=scale, softcap=softcap, span=span,
-                             hv=v_ref.shape[-1]).astype(o_ref.dtype)
-
-
-def paged_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, lengths: jax.Array,
-                 tables: jax.Array, scale: float, window=None, softcap: float | None = None,
-                 sinks: jax.Array | None = None, interpret: bool | None = None) -> jax.Array:
-    """q[D, Hq, hd] (one query per decode row) over k/v_pool[L, Hkv, NB, bs, hd] at stacked layer `layer`, each row
-    the first lengths[D] positions of its block table tables[D, W] -> [D, Hq * hd] in q's dtype. `window`: None, an
-    int or a traced int32; `sinks[Hq]`. `interpret`: None = on a CPU."""
-    d, hq, hd = q.shape
-    num_layers, hkv, nb, bs, _ = k_pool.shape
-    g = hq // hkv
-    gp = -(-g // HEAD_TILE) * HEAD_TILE
-    w = tables.shape[1]
-    tables = jnp.pad(tables, ((0, 0), (0, -w % PAGES_PER_STEP)))
-    qg = jnp.pad(q.reshape(d, hkv, g, hd), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    sink_arg = None if sinks is None else jnp.pad(sinks.reshape(hkv, g), ((0, 0), (0, gp - g)),
-                                                  constant_values=-jnp.inf)
-    window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
-    pools = [x.reshape(num_layers * hkv, nb, bs, x.shape[-1]) for x in (k_pool, v_pool)]
-    whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)          # noqa: E731
-    kernel = functools.partial(_decode_kernel, scale=scale, softcap=softcap, kv_heads=hkv, block_size=bs)
-    if sink_arg is None:
-        kernel = functools.partial(_no_sinks, kernel)
-    args = [jnp.reshape(layer, (1,)).astype(jnp.int32), window, lengths.astype(jnp.int32), tables, qg, *pools]
-    specs = [whole(args[0]), whole(window), whole(args[2]),
-             pl.BlockSpec((None, tables.shape[1]), lambda i, j: (i, 0)),
-             pl.BlockSpec((None, None, gp, hd), lambda i, j: (i, j, 0, 0)), whole(pools[0]), whole(pools[1])]
-    if sink_arg is not None:
-        args.append(sink_arg)
-        specs.append(pl.BlockSpec((None, gp), lambda i, j: (j, 0)))
-    hv = v_pool.shape[-1]
-    out = pl.pallas_call(
-        kernel, grid=(d, hkv), in_specs=specs,
-        out_specs=pl.BlockSpec((None, None, gp, hv), lambda i, j: (i, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((d, hkv, gp, hv), q.dtype),
-        interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
-        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),       # Pallas on Triton
-        cost_estimate=cost(d, hkv, g, tables.shape[1], bs, hd, hv, q.dtype, k_pool.dtype),
-        name="tp_jax_paged_decode")(*args)
-    return out[:, :, :g].reshape(d, hq * hv)
+    _rows(q_ref, pos_ref, sinks_ref, o_ref, lo_ref[row], hi_ref[row], window_ref[0], load, span=span, **kw)
 
 
-def cost(d: int, hkv: int, g: int, width: int, bs: int, hd: int, hv: int, q_dtype, kv_dtype) -> pl.CostEstimate:
-    """What a launch reads and writes at most: every row's whole table of K and V pages once (a row reads only the
-    pages its length and window reach: an upper bound), its queries and its output; two dots per key and head."""
-    import numpy as np
-    keys = d * hkv * width * bs
-    kv_bytes = keys * (hd + hv) * np.dtype(kv_dtype).itemsize
-    qo_bytes = d * hkv * g * (hd + hv) * np.dtype(q_dtype).itemsize
-    return pl.CostEstimate(flops=2 * keys * g * (hd + hv), transcendentals=keys * g,
-                           bytes_accessed=int(kv_bytes + qo_bytes + d * width * 4))
-
-
-def _no_sinks(kernel, layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref):
-    kernel(layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_ref, v_ref, None, o_ref)
-
-
-# --- the TPU (Mosaic) form: the pool stays in HBM, a row's pages are copied into VMEM by DMA ---------------------
-
-def _tpu_decode_kernel(layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, sinks_ref, o_ref, k_buf,
-                       v_buf, sems, *, scale: float, softcap: float | None, kv_heads: int, block_size: int,
-                       width: int):
+def _mosaic_kernel(layer_ref, window_ref, lo_ref, hi_ref, tables_ref, q_ref, pos_ref, k_hbm, v_hbm, sinks_ref, o_ref,
+                   k_buf, v_buf, sems, *, kv_heads: int, block_size: int, v_dim: int | None, width: int, **kw):
     row, head = pl.program_id(0), pl.program_id(1)
     pool_row = layer_ref[0] * kv_heads + head
     span = PAGES_PER_STEP * block_size
@@ -143,59 +146,146 @@ def _tpu_decode_kernel(layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_
         dmas = []
         for p in range(PAGES_PER_STEP):                              # one DMA per page, K and V
             page = tables_ref[row * width + c * PAGES_PER_STEP + p]
-            dmas += [pltpu.make_async_copy(k_hbm.at[pool_row, page], k_buf.at[p], sems.at[0, p]),
-                     pltpu.make_async_copy(v_hbm.at[pool_row, page], v_buf.at[p], sems.at[1, p])]
+            dmas.append(pltpu.make_async_copy(k_hbm.at[pool_row, page], k_buf.at[p], sems.at[0, p]))
+            if v_dim is None:
+                dmas.append(pltpu.make_async_copy(v_hbm.at[pool_row, page], v_buf.at[p], sems.at[1, p]))
         for dma in dmas:
             dma.start()
         for dma in dmas:
             dma.wait()
-        return k_buf[...].reshape(span, -1).astype(jnp.float32), v_buf[...].reshape(span, -1).astype(jnp.float32)
+        k = k_buf[...].reshape(span, -1).astype(jnp.float32)
+        if v_dim is None:
+            return [k], v_buf[...].reshape(span, -1).astype(jnp.float32)
+        return [k], k_buf[:, :, pl.ds(0, v_dim)].reshape(span, v_dim).astype(jnp.float32)
 
-    o_ref[...] = _attend_row(q_ref[...].astype(jnp.float32), None if sinks_ref is None else sinks_ref[...],
-                             lengths_ref[row], window_ref[0], load, scale=scale, softcap=softcap, span=span,
-                             hv=v_buf.shape[-1]).astype(o_ref.dtype)
+    _rows(q_ref, pos_ref, sinks_ref, o_ref, lo_ref[row], hi_ref[row], window_ref[0], load, span=span, **kw)
 
 
-def paged_decode_tpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, lengths: jax.Array,
-                     tables: jax.Array, scale: float, window=None, softcap: float | None = None,
-                     sinks: jax.Array | None = None, interpret: bool | None = None) -> jax.Array:
-    """`paged_decode` for a TPU (Pallas on Mosaic): the pool stays in HBM (`pl.ANY`); each loop step copies the
-    row's next PAGES_PER_STEP pages of its KV head into VMEM by DMA (by table entry, no gathered copy), then
-    attends them. The block table, lengths, layer and window are scalar-prefetched into SMEM. `interpret`: None =
-    on a CPU, in Pallas' TPU interpreter."""
-    d, hq, hd = q.shape
+def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, q_pos: jax.Array,
+                    tables: jax.Array, scale: float, window=None, softcap: float | None = None,
+                    sinks: jax.Array | None = None, v_dim: int | None = None, decode_rows: int = 0,
+                    form: str = "triton", interpret: bool | None = None) -> jax.Array:
+    """Rows of queries q[R, QB, Hq, hd] at positions q_pos[R, QB] (-1: padding) over k/v_pool[L, Hkv, NB, bs, hd] at
+    stacked layer `layer`, each row its block table tables[R, W] -> [R, QB, Hq * hv] in q's dtype (padding queries:
+    zeros or garbage, never read). The first `decode_rows` rows hold one query, at token 0 (a prefill block's QB is
+    `query_block(G, form)`). `window`: None, an int or a traced int32; `sinks[Hq]`; `v_dim`: the values are the keys'
+    first v_dim channels (MLA: v_pool unread). `form`: "triton" (GPU) or "mosaic" (TPU). `interpret`: None = on a
+    CPU, in Pallas' interpreter."""
+    r, qb, hq, hd = q.shape
     num_layers, hkv, nb, bs, _ = k_pool.shape
-    g, hv = hq // hkv, v_pool.shape[-1]
-    gp = -(-g // 8) * 8                                               # sublanes
-    tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % PAGES_PER_STEP)))
+    g = hq // hkv
+    hv = v_pool.shape[-1] if v_dim is None else v_dim
+    gp = _padded(g, form)
+    tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % PAGES_PER_STEP))).astype(jnp.int32)
     width = tables.shape[1]
-    qg = jnp.pad(q.reshape(d, hkv, g, hd), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    pools = [x.reshape(num_layers * hkv, nb, bs, x.shape[-1]) for x in (k_pool, v_pool)]
-    scalars = [jnp.reshape(layer, (1,)).astype(jnp.int32), jnp.full((1,), NO_WINDOW if window is None else window,
-               jnp.int32), lengths.astype(jnp.int32), tables.reshape(-1).astype(jnp.int32)]
-    in_specs = [pl.BlockSpec((None, None, gp, hd), lambda i, j, *_: (i, j, 0, 0)),
-                pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
-    args = [qg, *pools]
-    kernel = functools.partial(_tpu_decode_kernel, scale=scale, softcap=softcap, kv_heads=hkv, block_size=bs,
-                               width=width)
-    if sinks is None:
-        kernel = functools.partial(_tpu_no_sinks, kernel)
-    else:
-        args.append(jnp.pad(sinks.reshape(hkv, 1, g), ((0, 0), (0, 0), (0, gp - g)), constant_values=-jnp.inf))
-        in_specs.append(pl.BlockSpec((None, 1, gp), lambda i, j, *_: (j, 0, 0)))     # Mosaic: whole last two dims
-    grid = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(scalars), grid=(d, hkv), in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, gp, hv), lambda i, j, *_: (i, j, 0, 0)),
-        scratch_shapes=[pltpu.VMEM((PAGES_PER_STEP, bs, hd), k_pool.dtype),
-                        pltpu.VMEM((PAGES_PER_STEP, bs, hv), v_pool.dtype),
-                        pltpu.SemaphoreType.DMA((2, PAGES_PER_STEP))])
+    q_pos = q_pos.astype(jnp.int32)
+    valid = q_pos >= 0
+    lo = jnp.where(valid, q_pos, NO_WINDOW).min(axis=1)
+    hi = jnp.where(valid, q_pos + 1, 0).max(axis=1)
+    qg = jnp.pad(q.reshape(r, qb, hkv, g, hd), ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0)))
+    pos = jnp.broadcast_to(q_pos[:, :, None], (r, qb, gp)).reshape(r, qb * gp, 1)
+    sink_arg = None if sinks is None else jnp.tile(
+        jnp.pad(sinks.reshape(hkv, 1, g).astype(jnp.float32), ((0, 0), (0, 0), (0, gp - g)),
+                constant_values=-jnp.inf), (1, 1, qb))                                       # [Hkv, 1, QB * gp]
+    window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
+    pools = [x.reshape(num_layers * hkv, nb, bs, x.shape[-1]) for x in ((k_pool,) if v_dim else (k_pool, v_pool))]
+    parts = ((0, hd),) if v_dim is None or form == "mosaic" else ((0, v_dim), (v_dim, hd - v_dim))
+    kw = dict(kv_heads=hkv, block_size=bs, v_dim=v_dim, decode_rows=decode_rows, parts=parts, scale=scale,
+              softcap=softcap, hv=hv)
+    out_shape = jax.ShapeDtypeStruct((r, qb, hkv, gp, hv), q.dtype)
+    estimate = cost(r, qb, hkv, g, width, bs, hd, 0 if v_dim else hv, q.dtype, k_pool.dtype)
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-    out = pl.pallas_call(kernel, grid_spec=grid, out_shape=jax.ShapeDtypeStruct((d, hkv, gp, hv), q.dtype),
-                         interpret=pltpu.InterpretParams() if interpret else False,
-                         cost_estimate=cost(d, hkv, g, width, bs, hd, hv, q.dtype, k_pool.dtype),
-                         name="tp_jax_paged_decode_tpu")(*scalars, *args)
-    return out[:, :, :g].reshape(d, hq * hv)
+    if form == "triton":
+        out = _triton_call(kw, layer, window, lo, hi, tables, qg, pos, pools, sink_arg, out_shape, estimate,
+                           interpret)
+    else:
+        out = _mosaic_call(kw, layer, window, lo, hi, tables, qg, pos, pools, sink_arg, out_shape, estimate,
+                           interpret, k_pool.dtype)
+    return out[:, :, :, :g].reshape(r, qb, hq * hv)
 
 
-def _tpu_no_sinks(kernel, layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref, *scratch):
-    kernel(layer_ref, window_ref, lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, None, o_ref, *scratch)
+def _triton_call(kw, layer, window, lo, hi, tables, qg, pos, pools, sink_arg, out_shape, estimate, interpret):
+    r, qb, hkv, gp, hd = qg.shape
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)          # noqa: E731
+    row_block = lambda shape: pl.BlockSpec((None, *shape), lambda i, j: (i,) + (0,) * len(shape))   # noqa: E731
+    args = [jnp.reshape(layer, (1,)).astype(jnp.int32), window, lo, hi, tables, qg, pos, *pools]
+    specs = [whole(args[0]), whole(window), whole(lo), whole(hi), row_block(tables.shape[1:]),
+             pl.BlockSpec((None, qb, None, gp, hd), lambda i, j: (i, 0, j, 0, 0)), row_block(pos.shape[1:]),
+             *[whole(x) for x in pools]]
+    kernel = functools.partial(_triton_kernel, **kw)
+    kernel = _bind(kernel, v_pool=len(pools) == 2, sinks=sink_arg is not None)
+    if sink_arg is not None:
+        args.append(sink_arg)
+        specs.append(pl.BlockSpec((None, 1, sink_arg.shape[-1]), lambda i, j: (j, 0, 0)))
+    return pl.pallas_call(
+        kernel, grid=(r, hkv), in_specs=specs,
+        out_specs=pl.BlockSpec((None, qb, None, gp, out_shape.shape[-1]), lambda i, j: (i, 0, j, 0, 0)),
+        out_shape=out_shape, interpret=interpret,
+        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),       # Pallas on Triton
+        cost_estimate=estimate, name="tp_jax_paged_attention")(*args)
+
+
+def _mosaic_call(kw, layer, window, lo, hi, tables, qg, pos, pools, sink_arg, out_shape, estimate, interpret,
+                 pool_dtype):
+    r, qb, hkv, gp, hd = qg.shape
+    width = tables.shape[1]
+    bs = kw["block_size"]
+    scalars = [jnp.reshape(layer, (1,)).astype(jnp.int32), window, lo, hi, tables.reshape(-1)]
+    in_specs = [pl.BlockSpec((None, qb, None, gp, hd), lambda i, j, *_: (i, 0, j, 0, 0)),
+                pl.BlockSpec((None, *pos.shape[1:]), lambda i, j, *_: (i, 0, 0)),
+                *[pl.BlockSpec(memory_space=pl.ANY) for _ in pools]]
+    args = [qg, pos, *pools]
+    kernel = functools.partial(_mosaic_kernel, width=width, **kw)
+    kernel = _bind(kernel, v_pool=len(pools) == 2, sinks=sink_arg is not None)
+    if sink_arg is not None:
+        args.append(sink_arg)
+        in_specs.append(pl.BlockSpec((None, 1, sink_arg.shape[-1]), lambda i, j, *_: (j, 0, 0)))   # whole last dims
+    hv_pool = pools[1].shape[-1] if len(pools) == 2 else 1
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars), grid=(r, hkv), in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, qb, None, gp, out_shape.shape[-1]), lambda i, j, *_: (i, 0, j, 0, 0)),
+        scratch_shapes=[pltpu.VMEM((PAGES_PER_STEP, bs, pools[0].shape[-1]), pool_dtype),
+                        pltpu.VMEM((PAGES_PER_STEP, bs, hv_pool), pool_dtype),
+                        pltpu.SemaphoreType.DMA((2, PAGES_PER_STEP))])
+    return pl.pallas_call(kernel, grid_spec=grid, out_shape=out_shape,
+                          interpret=pltpu.InterpretParams() if interpret else False, cost_estimate=estimate,
+                          name="tp_jax_paged_attention_tpu")(*scalars, *args)
+
+
+def _bind(kernel, *, v_pool: bool, sinks: bool):
+    """The kernel with the refs a launch does not pass (the value pool of a latent cache, the sinks) as None: the
+    arguments are (5 scalars/tables, q, pos, k, [v], [sinks], out, *scratch)."""
+    def call(*refs):
+        refs = list(refs)
+        head, k = refs[:7], refs[7]
+        rest = refs[8:]
+        v = rest.pop(0) if v_pool else None
+        s = rest.pop(0) if sinks else None
+        return kernel(*head, k, v, s, *rest)
+    return call
+
+
+def paged_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, lengths: jax.Array,
+                 tables: jax.Array, scale: float, window=None, softcap: float | None = None,
+                 sinks: jax.Array | None = None, v_dim: int | None = None, interpret: bool | None = None,
+                 form: str = "triton") -> jax.Array:
+    """Decode rows alone: q[D, Hq, hd] (one query per row) over the first lengths[D] positions of each row's table
+    tables[D, W] -> [D, Hq * hv] (`paged_attention` with every row a decode row)."""
+    out = paged_attention(q[:, None], k_pool, v_pool, layer, (lengths - 1)[:, None], tables, scale, window, softcap,
+                          sinks, v_dim, decode_rows=q.shape[0], form=form, interpret=interpret)
+    return out[:, 0]
+
+
+paged_decode_tpu = functools.partial(paged_decode, form="mosaic")
+
+
+def cost(r: int, qb: int, hkv: int, g: int, width: int, bs: int, hd: int, hv: int, q_dtype,
+         kv_dtype) -> pl.CostEstimate:
+    """What a launch reads and writes at most: every row's whole table of K and V pages once (a row reads only the
+    pages its positions and window reach: an upper bound; hv = 0 for a latent pool, whose values are its keys), its
+    queries and its output; two dots per key and query head."""
+    keys = r * hkv * width * bs
+    kv_bytes = keys * (hd + hv) * np.dtype(kv_dtype).itemsize
+    qo_bytes = r * qb * hkv * g * (hd + (hv or hd)) * np.dtype(q_dtype).itemsize
+    return pl.CostEstimate(flops=2 * keys * qb * g * (hd + (hv or hd)), transcendentals=keys * qb * g,
+                           bytes_accessed=int(kv_bytes + qo_bytes + r * width * 4))

@@ -26,7 +26,7 @@ WHOLE_ROWS = 1 << 30                      # a chunk no prompt reaches
 
 def step_batch(rows: list[tuple[int, int]], chunk: int, block_size: int):
     """build_batch's layout of one step of rows (start, new tokens) on one replica; the blocks it uses."""
-    from tp_jax.serving.batch import build_batch
+    from tp_jax.serving.batch import DECODE_CHUNK, build_batch
     from tp_jax.serving.request import Request
     from tp_jax.serving.sampling import SamplingParams
     from tp_jax.serving.scheduler import ScheduledRow, SchedulerOutput
@@ -37,7 +37,8 @@ def step_batch(rows: list[tuple[int, int]], chunk: int, block_size: int):
         blocks = -(-(start + k) // block_size)
         tables[req.request_id] = list(range(used, used + blocks))
         used += blocks
-    batch = build_batch(SchedulerOutput([scheduled], []), [tables], block_size, 1, chunk or WHOLE_ROWS, split_k=True)
+    batch = build_batch(SchedulerOutput([scheduled], []), [tables], block_size, 1, chunk or WHOLE_ROWS,
+                        split_k=DECODE_CHUNK)
     return batch, used
 
 

@@ -202,9 +202,52 @@ def test_a_row_in_a_ragged_launch_is_the_same_alone(form):
         np.testing.assert_array_equal(got, together[tokens])
 
 
+def split_case(groups: int, seed: int = 4, chunk_blocks: int = 3):
+    """ragged_case's step with its decode rows also laid out split-K (flash-decoding: chunks of `chunk_blocks`
+    blocks, as build_batch lays them out), two padding chunks after them."""
+    from tp_jax.serving.batch import split_decode_rows
+    q, kp, vp, pos, batch, sinks, n = ragged_case(groups, jnp.float32, seed=seed)
+    d = batch.decode_tables.shape[0]
+    lengths = [int(p) + 1 for p in pos[:d]]
+    rv = sum(-(-x // (BS * chunk_blocks)) for x in lengths) + 2
+    chunks = np.zeros((rv, chunk_blocks), np.int32), np.full(rv, d, np.int32), np.zeros(rv, np.int32)
+    split_decode_rows(lengths, np.asarray(batch.decode_tables), BS, *chunks)
+    return q, kp, vp, pos, batch.replace(**dict(zip(("chunk_tables", "chunk_row", "chunk_start"),
+                                                    map(jnp.asarray, chunks)))), sinks, n
+
+
+@pytest.mark.parametrize("form", ["triton", "mosaic"])
+def test_long_decode_rows_split_over_their_context(form):
+    """Flash-decoding: each decode row's context in chunks (here 3 blocks: the 41-key row in 4), each chunk a row of
+    the launch returning its log-sum-exp, combined per row (the sinks once, in the combine), beside prefill rows."""
+    q, kp, vp, pos, batch, sinks, n = split_case(6)
+    ref = paged_reference(q, kp, vp, jnp.int32(2), pos, batch, 0.25, 8, softcap=5.0, sinks=sinks)[:n]
+    got = paged_pallas(q, kp, vp, jnp.int32(2), pos, batch, 0.25, 8, 5.0, sinks, form=form)[:n]
+    assert float(jnp.abs(ref - got).max()) <= 1e-5
+    whole = paged_pallas(q, kp, vp, jnp.int32(2), pos, batch.replace(chunk_tables=batch.chunk_tables[:0]), 0.25, 8,
+                         5.0, sinks, form=form)[:n]
+    d = batch.decode_tables.shape[0]
+    assert float(jnp.abs(whole[:d] - got[:d]).max()) > 0          # a different sum: the split path ran
+
+
+def test_a_split_row_is_the_same_alone():
+    """The numeric contract with split rows: a decode row's chunks follow from its own length, so the row alone (its
+    own chunks) equals the row inside the step, bit for bit."""
+    q, kp, vp, pos, batch, sinks, n = split_case(4, seed=6)
+    together = np.asarray(paged_pallas(q, kp, vp, jnp.int32(0), pos, batch, 0.25, None, None, sinks))
+    row = np.asarray(batch.chunk_row)
+    for i in range(batch.decode_tables.shape[0]):
+        mine = row == i
+        alone = batch.replace(decode_tables=batch.decode_tables[i:i + 1], chunk_tables=batch.chunk_tables[mine],
+                              chunk_row=jnp.zeros(int(mine.sum()), jnp.int32), chunk_start=batch.chunk_start[mine],
+                              prefill_tables=batch.prefill_tables[:0], prefill_index=batch.prefill_index[:0])
+        got = np.asarray(paged_pallas(q[i:i + 1], kp, vp, jnp.int32(0), pos[i:i + 1], alone, 0.25, None, None, sinks))
+        np.testing.assert_array_equal(got[0], together[i])
+
+
 def test_a_ragged_launch_lowers_for_cuda_and_tpu():
-    """A mixed step's launch, and MLA's latent pool at DeepSeek-V3's widths (r = 512, rope = 64, 16 heads a rank),
-    lowered: one Triton kernel for `cuda`, one Mosaic kernel exported for a TPU v6e."""
+    """A mixed step's launch, MLA's latent pool at DeepSeek-V3's widths (r = 512, rope = 64, 16 heads a rank) and a
+    launch with split decode rows, lowered: one Triton kernel for `cuda`, one Mosaic kernel exported for a TPU v6e."""
     q, kp, vp, pos, batch, sinks, _ = ragged_case(4, jnp.bfloat16)
     mixed = lambda form: jax.jit(lambda q, kp, vp, pos: paged_pallas(         # noqa: E731
         q, kp, vp, jnp.int32(1), pos, batch, 0.25, 8, None, sinks, form=form))
@@ -216,6 +259,11 @@ def test_a_ragged_launch_lowers_for_cuda_and_tpu():
         q, kp, vp, jnp.int32(1), pos, batchl, 0.1, None, v_dim=512, form=form))
     assert _lowered_kernels(latent("triton"), "cuda", ql, kl, vl, posl) == 1
     assert _lowered_kernels(latent("mosaic"), "tpu", ql, kl, vl, posl) == 1
+    qs, ks, vs, poss, batchs, sinkss, _ = split_case(4)
+    split = lambda form: jax.jit(lambda q, kp, vp, pos: paged_pallas(         # noqa: E731
+        q, kp, vp, jnp.int32(1), pos, batchs, 0.25, 8, None, sinkss, form=form))
+    assert _lowered_kernels(split("triton"), "cuda", qs, ks, vs, poss) == 1
+    assert _lowered_kernels(split("mosaic"), "tpu", qs, ks, vs, poss) == 1
 
 
 def _lowered_kernels(fn, platform: str, *args) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tp_jax.serving.batch import PREFILL_CHUNK, build_batch
+from tp_jax.serving.batch import DECODE_CHUNK, PREFILL_CHUNK, build_batch
 from tp_jax.serving.request import Request, Status
 from tp_jax.serving.sampling import SamplingParams
 from tp_jax.serving.scheduler import Scheduler, SchedulerConfig
@@ -57,7 +57,8 @@ class Sim:
         for rows in out.rows:
             assert sum(r.num_tokens for r in rows) <= self.cfg.max_num_batched_tokens
             assert len(rows) <= self.cfg.max_num_seqs
-        batch = build_batch(out, [b.tables for b in self.sched.blocks], self.cfg.block_size, self.m, split_k=True)
+        batch = build_batch(out, [b.tables for b in self.sched.blocks], self.cfg.block_size, self.m,
+                            split_k=DECODE_CHUNK)
         bs, d = self.cfg.block_size, batch.shape.decode_rows
         for g in range(batch.shape.groups):
             r = g // self.m

@@ -290,7 +290,7 @@ def test_split_k_steps_lay_every_decode_row_out_in_chunks(path):
 
 
 def test_a_step_plan_survives_the_trip_to_other_processes(llm):
-    from tp_jax.serving.batch import build_batch
+    from tp_jax.serving.batch import DECODE_CHUNK, build_batch
     from tp_jax.serving.plan import StepPlan
     engine = llm.engine
     core = engine.core
@@ -298,7 +298,8 @@ def test_a_step_plan_survives_the_trip_to_other_processes(llm):
     engine.add_request("plan-b", list(range(40)), SamplingParams(max_tokens=3, temperature=0.5, seed=4,
                                                                  prompt_logprobs=2))
     out = core.scheduler.schedule()
-    plan = core._plan(build_batch(out, [b.tables for b in core.scheduler.blocks], 16, core.microbatches, split_k=True))
+    plan = core._plan(build_batch(out, [b.tables for b in core.scheduler.blocks], 16, core.microbatches,
+                                  split_k=DECODE_CHUNK))
     back = StepPlan.from_bytes(plan.to_bytes())
     assert back.batch.shape == plan.batch.shape
     for name in plan.batch.ARRAYS:

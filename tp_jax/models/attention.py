@@ -334,29 +334,60 @@ def paged_pallas(q, k_pool, v_pool, layer, positions, batch, scale, window, soft
                                sinks=sinks, v_dim=v_dim, stored=stored, scales=scales)
     form = form or ("mosaic" if jax.default_backend() == "tpu" else "triton")
     n, hq, _ = q.shape
-    d, p = batch.decode_tables.shape[0], batch.prefill_tables.shape[0]
+    d, p, rv = batch.decode_tables.shape[0], batch.prefill_tables.shape[0], batch.chunk_tables.shape[0]
+    split = bool(d and rv)                         # the decode rows as their split-K chunks (`SPLIT_K_BACKENDS`)
     qb = 1 if not p else query_block(hq // k_pool.shape[1], form)
-    index = [jnp.pad(jnp.arange(d, dtype=jnp.int32)[:, None], ((0, 0), (0, qb - 1)), constant_values=n)]
-    tables = [batch.decode_tables]
+    pad = lambda x: jnp.pad(x[:, None], ((0, 0), (0, qb - 1)), constant_values=n)           # noqa: E731
+    if split:
+        index, tables = [pad(jnp.where(batch.chunk_row < d, batch.chunk_row, n))], [batch.chunk_tables]
+        starts = [batch.chunk_start]
+    else:
+        index, tables = [pad(jnp.arange(d, dtype=jnp.int32))], [batch.decode_tables]
+        starts = [jnp.zeros((d,), jnp.int32)]
     if p:
         t = batch.prefill_index.shape[1]
         rows = jnp.pad(batch.prefill_index, ((0, 0), (0, -t % qb)), constant_values=n)
         index.append(rows.reshape(-1, qb))
         tables.append(jnp.repeat(batch.prefill_tables, rows.shape[1] // qb, axis=0))
+        starts.append(jnp.zeros((index[-1].shape[0],), jnp.int32))
     width = max(x.shape[1] for x in tables)
     tables = jnp.concatenate([jnp.pad(x, ((0, 0), (0, width - x.shape[1]))) for x in tables])
     index = jnp.concatenate(index)                                                     # [R, QB]: N for padding
     q_rows = jnp.take(q, index, axis=0, mode="fill", fill_value=0)
     q_pos = jnp.take(positions, index, axis=0, mode="fill", fill_value=-1)
     out = paged_attention(q_rows, k_pool, v_pool, layer, q_pos, tables, scale, window, softcap, sinks, v_dim,
-                          decode_rows=d, form=form)
+                          decode_rows=starts[0].shape[0], key_start=jnp.concatenate(starts),
+                          chunk_keys=batch.chunk_tables.shape[1] * k_pool.shape[3] if split else None, form=form)
+    out, lse = out if split else (out, None)
     hv = out.shape[-1] // hq
-    return jnp.zeros((n, hq * hv), q.dtype).at[index.reshape(-1)].set(
-        out.reshape(-1, hq * hv).astype(q.dtype), mode="drop")
+    flat = out.reshape(-1, hq * hv)
+    if split:                                     # the first Rv rows are chunks: not scattered, combined below
+        index = index.at[:rv].set(n)
+    result = jnp.zeros((n, hq * hv), q.dtype).at[index.reshape(-1)].set(flat.astype(q.dtype), mode="drop")
+    if split:
+        chunks = out[:rv, 0].reshape(rv, hq, hv).astype(jnp.float32)
+        result = result.at[:d].set(_combine_chunks(chunks, lse[:rv], batch.chunk_row, d, sinks).astype(q.dtype))
+    return result
+
+
+def _combine_chunks(out: jax.Array, lse: jax.Array, row: jax.Array, d: int, sinks) -> jax.Array:
+    """Each decode row's output from its chunks' normalized outputs out[Rv, Hq, hv] and log-sum-exps lse[Rv, Hq]
+    (chunk_row `row`; d: padding): sum_c e^(lse_c - M) out_c / (sum_c e^(lse_c - M) (+ e^(sink - M))), M the row's
+    largest -> [D, Hq * hv]."""
+    top = jax.ops.segment_max(lse, row, num_segments=d + 1, indices_are_sorted=True)
+    if sinks is not None:
+        top = jnp.maximum(top, sinks.astype(jnp.float32)[None])
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse - top[row])                                                  # -inf: a chunk that saw nothing
+    num = jax.ops.segment_sum(out * w[..., None], row, num_segments=d + 1, indices_are_sorted=True)[:d]
+    den = jax.ops.segment_sum(w, row, num_segments=d + 1, indices_are_sorted=True)[:d]
+    if sinks is not None:
+        den = den + jnp.exp(sinks.astype(jnp.float32)[None] - top[:d])
+    return (num / jnp.where(den > 0, den, 1.0)[..., None]).reshape(d, -1)
 
 
 PAGED_BACKENDS: dict[str, Callable] = {"reference": paged_reference, "bf16": paged_bf16, "pallas": paged_pallas}
-SPLIT_K_BACKENDS = frozenset({"bf16"})     # they read the decode chunks (build_batch(split_k=True))
+SPLIT_K_BACKENDS = {"bf16": 32, "pallas": 512}   # positions of the decode rows' split-K chunks they read (build_batch)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array | None, positions: jax.Array, cache=None, *, scale: float,

@@ -58,12 +58,13 @@ def _padded(groups: int, form: str) -> int:
     return -(-groups // tile) * tile
 
 
-def _attend_rows(q_parts, q_pos, lo, hi, sinks, window, load, *, scale: float, softcap: float | None, span: int,
-                 hv: int):
+def _attend_rows(q_parts, q_pos, lo, hi, start, steps: int, sinks, window, load, *, scale: float,
+                 softcap: float | None, span: int, hv: int, key_limit: int | None = None):
     """M query rows over one row's keys, `span` at a time. q_parts: the queries [M, d_i] (float32), split as `load`
     splits the keys; q_pos[M, 1] each query's position (-1: none); lo, hi: the row's first and last valid query
-    position + 1 bound the loop; `load(c)` gives step c's key parts [span, d_i] and values [span, hv] in float32;
-    sinks[M] or None. Returns [M, hv]."""
+    position + 1 bound the loop; start: the position of the row's first key (a decode chunk's), `steps` the most
+    steps its table holds, `key_limit` (a chunk's) the positions its table covers before the padding to whole steps;
+    `load(c)` gives step c's key parts [span, d_i] and values [span, hv] in float32; sinks[M] or None. Returns the output [M, hv] and the log-sum-exp [M] of each query's scores (-inf: none)."""
     m_rows = q_pos.shape[0]
 
     def step(c, carry):
@@ -76,50 +77,61 @@ def _attend_rows(q_parts, q_pos, lo, hi, sinks, window, load, *, scale: float, s
         s = s * scale
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
-        pos = c * span + jax.lax.broadcasted_iota(jnp.int32, (m_rows, span), 1)
-        s = jnp.where((pos <= q_pos) & (pos > q_pos - window), s, -jnp.inf)
+        pos = start + c * span + jax.lax.broadcasted_iota(jnp.int32, (m_rows, span), 1)
+        seen = (pos <= q_pos) & (pos > q_pos - window)
+        if key_limit is not None:                                   # a chunk's padding pages belong to no key
+            seen &= pos < start + key_limit
+        s = jnp.where(seen, s, -jnp.inf)
         top = jnp.maximum(m, s.max(axis=1))
         base = jnp.where(jnp.isfinite(top), top, 0.0)
         a, p = jnp.exp(m - base), jnp.exp(s - base[:, None])
         return top, l * a + p.sum(axis=1), o * a[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
 
     if sinks is None:
-        start = (jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
+        first_carry = (jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
     else:
-        start = (sinks.reshape(m_rows).astype(jnp.float32), jnp.ones((m_rows,), jnp.float32))
-    first = jnp.maximum(lo + 1 - window, 0) // span                 # the first step whose keys the window reaches
-    _, l, o = jax.lax.fori_loop(first, (hi + span - 1) // span, step, (*start, jnp.zeros((m_rows, hv), jnp.float32)))
-    return o / jnp.where(l > 0, l, 1.0)[:, None]
+        first_carry = (sinks.reshape(m_rows).astype(jnp.float32), jnp.ones((m_rows,), jnp.float32))
+    first = jnp.maximum(lo + 1 - window - start, 0) // span         # the first step whose keys the window reaches
+    end = jnp.minimum((hi - start + span - 1) // span, steps)
+    m, l, o = jax.lax.fori_loop(first, end, step, (*first_carry, jnp.zeros((m_rows, hv), jnp.float32)))
+    seen = l > 0
+    return o / jnp.where(seen, l, 1.0)[:, None], jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def _rows(q_ref, pos_ref, sinks_ref, o_ref, lo, hi, window, load, *, decode_rows: int, parts, scale, softcap, span,
-          hv):
+def _rows(q_ref, pos_ref, sinks_ref, o_ref, lse_ref, lo, hi, start, steps, window, load, *, rows: int,
+          decode_rows: int, parts, scale, softcap, span, hv, key_limit):
     """Run this program's row: a decode row (row < decode_rows) with a tile of its padded heads, a prefill block
-    with QB of them; `parts` the (start, size) of each key part along hd."""
+    with QB of them; `parts` the (start, size) of each key part along hd. `lse_ref` (a launch of decode chunks,
+    combined outside): the decode rows' log-sum-exps are written and their sinks left to the combine."""
     tokens, gp = q_ref.shape[0], q_ref.shape[1]
 
-    def run(n):
+    def run(n, decode: bool):
         m = n * gp
         q = [(q_ref[0, :, pl.ds(a, b)] if n == 1 else q_ref[:, :, pl.ds(a, b)].reshape(m, b)).astype(jnp.float32)
              for a, b in parts]
-        sinks = None if sinks_ref is None else sinks_ref[0, pl.ds(0, m)]
-        o = _attend_rows(q, pos_ref[pl.ds(0, m), :], lo, hi, sinks, window, load, scale=scale, softcap=softcap,
-                         span=span, hv=hv)
+        partial = lse_ref is not None and decode
+        sinks = None if sinks_ref is None or partial else sinks_ref[0, pl.ds(0, m)]
+        o, lse = _attend_rows(q, pos_ref[pl.ds(0, m), :], lo, hi, start, steps, sinks, window, load, scale=scale,
+                              softcap=softcap, span=span, hv=hv, key_limit=key_limit if decode else None)
         if n == 1:
             o_ref[0] = o.astype(o_ref.dtype)
+            if partial:
+                lse_ref[0, pl.ds(0, m)] = lse
         else:
             o_ref[...] = o.reshape(n, gp, hv).astype(o_ref.dtype)
 
-    if tokens == 1 or decode_rows == 0:
-        run(tokens)
-        return
-    row = pl.program_id(0)
-    pl.when(row < decode_rows)(lambda: run(1))
-    pl.when(row >= decode_rows)(lambda: run(tokens))
+    if decode_rows == 0:
+        run(tokens, False)
+    elif tokens == 1 and decode_rows == rows:
+        run(1, True)
+    else:
+        row = pl.program_id(0)
+        pl.when(row < decode_rows)(lambda: run(1, True))
+        pl.when(row >= decode_rows)(lambda: run(tokens, False))
 
 
-def _triton_kernel(layer_ref, window_ref, lo_ref, hi_ref, tables_ref, q_ref, pos_ref, k_ref, v_ref, sinks_ref, o_ref,
-                   *, kv_heads: int, block_size: int, v_dim: int | None, **kw):
+def _triton_kernel(layer_ref, window_ref, lo_ref, hi_ref, start_ref, tables_ref, q_ref, pos_ref, k_ref, v_ref,
+                   sinks_ref, o_ref, lse_ref, *, kv_heads: int, block_size: int, v_dim: int | None, **kw):
     row, head = pl.program_id(0), pl.program_id(1)
     pool_row = layer_ref[0] * kv_heads + head
     span = PAGES_PER_STEP * block_size
@@ -133,11 +145,14 @@ def _triton_kernel(layer_ref, window_ref, lo_ref, hi_ref, tables_ref, q_ref, pos
         latent = tile(k_ref, 0, v_dim)
         return [latent, tile(k_ref, v_dim, hd - v_dim)], latent
 
-    _rows(q_ref, pos_ref, sinks_ref, o_ref, lo_ref[row], hi_ref[row], window_ref[0], load, span=span, **kw)
+    steps = tables_ref.shape[0] // PAGES_PER_STEP
+    _rows(q_ref, pos_ref, sinks_ref, o_ref, lse_ref, lo_ref[row], hi_ref[row], start_ref[row], steps, window_ref[0],
+          load, span=span, **kw)
 
 
-def _mosaic_kernel(layer_ref, window_ref, lo_ref, hi_ref, tables_ref, q_ref, pos_ref, k_hbm, v_hbm, sinks_ref, o_ref,
-                   k_buf, v_buf, sems, *, kv_heads: int, block_size: int, v_dim: int | None, width: int, **kw):
+def _mosaic_kernel(layer_ref, window_ref, lo_ref, hi_ref, start_ref, tables_ref, q_ref, pos_ref, k_hbm, v_hbm,
+                   sinks_ref, o_ref, lse_ref, k_buf, v_buf, sems, *, kv_heads: int, block_size: int,
+                   v_dim: int | None, width: int, **kw):
     row, head = pl.program_id(0), pl.program_id(1)
     pool_row = layer_ref[0] * kv_heads + head
     span = PAGES_PER_STEP * block_size
@@ -158,30 +173,37 @@ def _mosaic_kernel(layer_ref, window_ref, lo_ref, hi_ref, tables_ref, q_ref, pos
             return [k], v_buf[...].reshape(span, -1).astype(jnp.float32)
         return [k], k_buf[:, :, pl.ds(0, v_dim)].reshape(span, v_dim).astype(jnp.float32)
 
-    _rows(q_ref, pos_ref, sinks_ref, o_ref, lo_ref[row], hi_ref[row], window_ref[0], load, span=span, **kw)
+    _rows(q_ref, pos_ref, sinks_ref, o_ref, lse_ref, lo_ref[row], hi_ref[row], start_ref[row],
+          width // PAGES_PER_STEP, window_ref[0], load, span=span, **kw)
 
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, q_pos: jax.Array,
                     tables: jax.Array, scale: float, window=None, softcap: float | None = None,
                     sinks: jax.Array | None = None, v_dim: int | None = None, decode_rows: int = 0,
-                    form: str = "triton", interpret: bool | None = None) -> jax.Array:
+                    key_start: jax.Array | None = None, chunk_keys: int | None = None, form: str = "triton",
+                    interpret: bool | None = None):
     """Rows of queries q[R, QB, Hq, hd] at positions q_pos[R, QB] (-1: padding) over k/v_pool[L, Hkv, NB, bs, hd] at
     stacked layer `layer`, each row its block table tables[R, W] -> [R, QB, Hq * hv] in q's dtype (padding queries:
     zeros or garbage, never read). The first `decode_rows` rows hold one query, at token 0 (a prefill block's QB is
     `query_block(G, form)`). `window`: None, an int or a traced int32; `sinks[Hq]`; `v_dim`: the values are the keys'
-    first v_dim channels (MLA: v_pool unread). `form`: "triton" (GPU) or "mosaic" (TPU). `interpret`: None = on a
-    CPU, in Pallas' interpreter."""
+    first v_dim channels (MLA: v_pool unread). `key_start[R]`: the position of each row's first table entry (a decode
+    row's split-K chunk; None: 0). `chunk_keys`: the decode rows are chunks of at most this many keys (their tables'
+    first chunk_keys / block_size entries), combined by the caller: their sinks are left out and the launch returns
+    (out, lse[R, Hq]), each decode query's log-sum-exp (-inf: no key seen).
+    `form`: "triton" (GPU) or "mosaic" (TPU). `interpret`: None = on a CPU, in Pallas' interpreter."""
     r, qb, hq, hd = q.shape
     num_layers, hkv, nb, bs, _ = k_pool.shape
     g = hq // hkv
     hv = v_pool.shape[-1] if v_dim is None else v_dim
     gp = _padded(g, form)
+    partial = chunk_keys is not None
     tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % PAGES_PER_STEP))).astype(jnp.int32)
     width = tables.shape[1]
     q_pos = q_pos.astype(jnp.int32)
     valid = q_pos >= 0
     lo = jnp.where(valid, q_pos, NO_WINDOW).min(axis=1)
     hi = jnp.where(valid, q_pos + 1, 0).max(axis=1)
+    key_start = jnp.zeros((r,), jnp.int32) if key_start is None else key_start.astype(jnp.int32)
     qg = jnp.pad(q.reshape(r, qb, hkv, g, hd), ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0)))
     pos = jnp.broadcast_to(q_pos[:, :, None], (r, qb, gp)).reshape(r, qb * gp, 1)
     sink_arg = None if sinks is None else jnp.tile(
@@ -190,60 +212,61 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
     window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
     pools = [x.reshape(num_layers * hkv, nb, bs, x.shape[-1]) for x in ((k_pool,) if v_dim else (k_pool, v_pool))]
     parts = ((0, hd),) if v_dim is None or form == "mosaic" else ((0, v_dim), (v_dim, hd - v_dim))
-    kw = dict(kv_heads=hkv, block_size=bs, v_dim=v_dim, decode_rows=decode_rows, parts=parts, scale=scale,
-              softcap=softcap, hv=hv)
-    out_shape = jax.ShapeDtypeStruct((r, qb, hkv, gp, hv), q.dtype)
+    kw = dict(kv_heads=hkv, block_size=bs, v_dim=v_dim, rows=r, decode_rows=decode_rows, parts=parts, scale=scale,
+              softcap=softcap, hv=hv, key_limit=chunk_keys)
+    out_shape = [jax.ShapeDtypeStruct((r, qb, hkv, gp, hv), q.dtype)]
+    if partial:
+        out_shape.append(jax.ShapeDtypeStruct((r, hkv, 1, gp), jnp.float32))
     estimate = cost(r, qb, hkv, g, width, bs, hd, 0 if v_dim else hv, q.dtype, k_pool.dtype)
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-    if form == "triton":
-        out = _triton_call(kw, layer, window, lo, hi, tables, qg, pos, pools, sink_arg, out_shape, estimate,
-                           interpret)
-    else:
-        out = _mosaic_call(kw, layer, window, lo, hi, tables, qg, pos, pools, sink_arg, out_shape, estimate,
-                           interpret, k_pool.dtype)
-    return out[:, :, :, :g].reshape(r, qb, hq * hv)
+    call = _triton_call if form == "triton" else functools.partial(_mosaic_call, pool_dtype=k_pool.dtype)
+    outs = call(kw, [jnp.reshape(layer, (1,)).astype(jnp.int32), window, lo, hi, key_start, tables], qg, pos, pools,
+                sink_arg, out_shape, estimate, interpret)
+    out = outs[0][:, :, :, :g].reshape(r, qb, hq * hv)
+    return (out, outs[1][:, :, 0, :g].reshape(r, hq)) if partial else out
 
 
-def _triton_call(kw, layer, window, lo, hi, tables, qg, pos, pools, sink_arg, out_shape, estimate, interpret):
+def _triton_call(kw, scalars, qg, pos, pools, sink_arg, out_shape, estimate, interpret):
     r, qb, hkv, gp, hd = qg.shape
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)          # noqa: E731
     row_block = lambda shape: pl.BlockSpec((None, *shape), lambda i, j: (i,) + (0,) * len(shape))   # noqa: E731
-    args = [jnp.reshape(layer, (1,)).astype(jnp.int32), window, lo, hi, tables, qg, pos, *pools]
-    specs = [whole(args[0]), whole(window), whole(lo), whole(hi), row_block(tables.shape[1:]),
+    tables = scalars[-1]
+    args = [*scalars, qg, pos, *pools]
+    specs = [*[whole(x) for x in scalars[:-1]], row_block(tables.shape[1:]),
              pl.BlockSpec((None, qb, None, gp, hd), lambda i, j: (i, 0, j, 0, 0)), row_block(pos.shape[1:]),
              *[whole(x) for x in pools]]
-    kernel = functools.partial(_triton_kernel, **kw)
-    kernel = _bind(kernel, v_pool=len(pools) == 2, sinks=sink_arg is not None)
+    kernel = _bind(functools.partial(_triton_kernel, **kw), v_pool=len(pools) == 2, sinks=sink_arg is not None,
+                   lse=len(out_shape) == 2)
     if sink_arg is not None:
         args.append(sink_arg)
         specs.append(pl.BlockSpec((None, 1, sink_arg.shape[-1]), lambda i, j: (j, 0, 0)))
+    out_specs = [pl.BlockSpec((None, qb, None, gp, out_shape[0].shape[-1]), lambda i, j: (i, 0, j, 0, 0)),
+                 pl.BlockSpec((None, None, 1, gp), lambda i, j: (i, j, 0, 0))][:len(out_shape)]
     return pl.pallas_call(
-        kernel, grid=(r, hkv), in_specs=specs,
-        out_specs=pl.BlockSpec((None, qb, None, gp, out_shape.shape[-1]), lambda i, j: (i, 0, j, 0, 0)),
-        out_shape=out_shape, interpret=interpret,
+        kernel, grid=(r, hkv), in_specs=specs, out_specs=out_specs, out_shape=out_shape, interpret=interpret,
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),       # Pallas on Triton
         cost_estimate=estimate, name="tp_jax_paged_attention")(*args)
 
 
-def _mosaic_call(kw, layer, window, lo, hi, tables, qg, pos, pools, sink_arg, out_shape, estimate, interpret,
-                 pool_dtype):
+def _mosaic_call(kw, scalars, qg, pos, pools, sink_arg, out_shape, estimate, interpret, pool_dtype):
     r, qb, hkv, gp, hd = qg.shape
-    width = tables.shape[1]
+    width = scalars[-1].shape[1]
     bs = kw["block_size"]
-    scalars = [jnp.reshape(layer, (1,)).astype(jnp.int32), window, lo, hi, tables.reshape(-1)]
+    scalars = [*scalars[:-1], scalars[-1].reshape(-1)]
     in_specs = [pl.BlockSpec((None, qb, None, gp, hd), lambda i, j, *_: (i, 0, j, 0, 0)),
                 pl.BlockSpec((None, *pos.shape[1:]), lambda i, j, *_: (i, 0, 0)),
                 *[pl.BlockSpec(memory_space=pl.ANY) for _ in pools]]
     args = [qg, pos, *pools]
-    kernel = functools.partial(_mosaic_kernel, width=width, **kw)
-    kernel = _bind(kernel, v_pool=len(pools) == 2, sinks=sink_arg is not None)
+    kernel = _bind(functools.partial(_mosaic_kernel, width=width, **kw), v_pool=len(pools) == 2,
+                   sinks=sink_arg is not None, lse=len(out_shape) == 2)
     if sink_arg is not None:
         args.append(sink_arg)
         in_specs.append(pl.BlockSpec((None, 1, sink_arg.shape[-1]), lambda i, j, *_: (j, 0, 0)))   # whole last dims
     hv_pool = pools[1].shape[-1] if len(pools) == 2 else 1
+    out_specs = [pl.BlockSpec((None, qb, None, gp, out_shape[0].shape[-1]), lambda i, j, *_: (i, 0, j, 0, 0)),
+                 pl.BlockSpec((None, None, 1, gp), lambda i, j, *_: (i, j, 0, 0))][:len(out_shape)]
     grid = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(scalars), grid=(r, hkv), in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, qb, None, gp, out_shape.shape[-1]), lambda i, j, *_: (i, 0, j, 0, 0)),
+        num_scalar_prefetch=len(scalars), grid=(r, hkv), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((PAGES_PER_STEP, bs, pools[0].shape[-1]), pool_dtype),
                         pltpu.VMEM((PAGES_PER_STEP, bs, hv_pool), pool_dtype),
                         pltpu.SemaphoreType.DMA((2, PAGES_PER_STEP))])
@@ -252,16 +275,17 @@ def _mosaic_call(kw, layer, window, lo, hi, tables, qg, pos, pools, sink_arg, ou
                           name="tp_jax_paged_attention_tpu")(*scalars, *args)
 
 
-def _bind(kernel, *, v_pool: bool, sinks: bool):
-    """The kernel with the refs a launch does not pass (the value pool of a latent cache, the sinks) as None: the
-    arguments are (5 scalars/tables, q, pos, k, [v], [sinks], out, *scratch)."""
+def _bind(kernel, *, v_pool: bool, sinks: bool, lse: bool):
+    """The kernel with the refs a launch does not pass (the value pool of a latent cache, the sinks, the decode
+    chunks' log-sum-exps) as None: the arguments are (6 scalars and tables, q, pos, k, [v], [sinks], out, [lse],
+    *scratch)."""
     def call(*refs):
-        refs = list(refs)
-        head, k = refs[:7], refs[7]
-        rest = refs[8:]
+        head, k, rest = refs[:8], refs[8], list(refs[9:])
         v = rest.pop(0) if v_pool else None
         s = rest.pop(0) if sinks else None
-        return kernel(*head, k, v, s, *rest)
+        out = rest.pop(0)
+        lse_ref = rest.pop(0) if lse else None
+        return kernel(*head, k, v, s, out, lse_ref, *rest)
     return call
 
 

@@ -41,23 +41,25 @@ import dataclasses
 
 import numpy as np
 
+from tp_jax.models.attention import SPLIT_K_BACKENDS
 from tp_jax.serving.scheduler import ScheduledRow, SchedulerOutput
 
 MIN_TOKENS = 16               # steps with a prefill; a decode-only step pays for its rows alone
 MIN_PREFILL_WIDTH = 16
 MIN_BLOCKS = 8                # short contexts share one table width (fewer compiled shapes)
 PREFILL_CHUNK = 64            # the most queries of one prefill attention row (a power of two)
-DECODE_CHUNK = 32             # positions of a decode row's split-K chunk (rounded up to whole blocks)
+DECODE_CHUNK = SPLIT_K_BACKENDS["bf16"]   # positions of a decode row's split-K chunk (rounded up to whole blocks)
 
 
-def chunk_blocks(block_size: int) -> int:
-    """Cb, the blocks of one decode chunk: DECODE_CHUNK positions, at least one block."""
-    return max(1, DECODE_CHUNK // block_size)
+def chunk_blocks(block_size: int, positions: int = DECODE_CHUNK) -> int:
+    """Cb, the blocks of one decode chunk: `positions` (the backend's, tp_jax/models/attention.py SPLIT_K_BACKENDS),
+    at least one block."""
+    return max(1, positions // block_size)
 
 
-def decode_chunk_count(lengths: list[list[int]], block_size: int) -> int:
+def decode_chunk_count(lengths: list[list[int]], block_size: int, positions: int = DECODE_CHUNK) -> int:
     """Rv for each group's decode row lengths (positions, the new token's included): the most chunks of a group."""
-    span = chunk_blocks(block_size) * block_size
+    span = chunk_blocks(block_size, positions) * block_size
     return fine_bucket(max((sum(-(-n // span) for n in group) for group in lengths), default=0))
 
 
@@ -179,17 +181,17 @@ def _blocks(rows: list[ScheduledRow], block_size: int) -> int:
 
 
 def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_size: int,
-                microbatches: int, chunk: int = PREFILL_CHUNK, split_k: bool = False) -> StepBatch:
+                microbatches: int, chunk: int = PREFILL_CHUNK, split_k: int = 0) -> StepBatch:
     """`tables[replica][request_id]` is each scheduled request's block table; `chunk` the most queries
     of a prefill attention row (a power of two; scripts/bench_attention.py compares them); `split_k`:
-    also the decode rows' split-K chunks (for the backends that read them, tp_jax/models/attention.py
-    SPLIT_K_BACKENDS), on every step with decode rows; otherwise Rv = Cb = 0."""
+    the positions of a decode chunk (> 0: also the decode rows' split-K chunks, for the backends that read
+    them, tp_jax/models/attention.py SPLIT_K_BACKENDS), on every step with decode rows; 0: Rv = Cb = 0."""
     groups = [(r, g) for r, rows in enumerate(out.rows) for g in _split(rows, microbatches)]
     decodes = [row for _, (dec, _) in groups for row in dec]
     prefills = [row for _, (_, pre) in groups for row in pre]
     p, t = prefill_layout([[r.num_tokens for r in pre] for _, (_, pre) in groups], chunk)
     wd = _blocks(decodes, block_size)
-    split_k = split_k and bool(decodes)
+    split_k = split_k if decodes else 0
     queries = [[(row, j) for row in dec for j in range(row.num_tokens)] for _, (dec, _) in groups]
     s = StepShape(
         groups=len(groups),
@@ -197,9 +199,9 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
                            MIN_TOKENS if prefills else 1),
         decode_rows=fine_bucket(max(len(q) for q in queries)),
         decode_blocks=wd,
-        decode_chunks=decode_chunk_count([[r.start + j + 1 for r, j in q] for q in queries], block_size)
+        decode_chunks=decode_chunk_count([[r.start + j + 1 for r, j in q] for q in queries], block_size, split_k)
         if split_k else 0,
-        chunk_blocks=chunk_blocks(block_size) if split_k else 0,
+        chunk_blocks=chunk_blocks(block_size, split_k) if split_k else 0,
         prefill_rows=p, prefill_width=t, prefill_blocks=_blocks(prefills, block_size))
     g_n, n, d, p = s.groups, s.tokens, s.decode_rows, s.prefill_rows
     ids, pos = np.zeros((g_n, n), np.int32), np.zeros((g_n, n), np.int32)

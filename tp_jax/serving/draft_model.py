@@ -55,7 +55,7 @@ class _DraftRow:
 
 class DraftModel:
     def __init__(self, model: nnx.Module, mesh: Mesh, target_pool: PoolShape, microbatches: int,
-                 penalties: Penalties, attention_backend: str, split_k: bool):
+                 penalties: Penalties, attention_backend: str, split_k: int):
         if jax.process_count() > 1:
             raise ValueError("speculative_config: a draft model runs in one process; on many hosts use "
                              "{'method': 'ngram', ...} or no speculative_config")

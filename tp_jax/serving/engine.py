@@ -104,7 +104,7 @@ class EngineCore:
         self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend,
                                   self.lora)
         from tp_jax.models.attention import SPLIT_K_BACKENDS
-        self.split_k = config.attention_backend in SPLIT_K_BACKENDS      # the batch carries decode chunks
+        self.split_k = SPLIT_K_BACKENDS.get(config.attention_backend, 0)   # > 0: the batch carries decode chunks
         spec = config.speculative_config
         if (spec is not None and spec.method == "draft_model") != (draft_model is not None):
             raise ValueError("EngineCore: pass draft_model exactly when speculative_config names a draft model")
@@ -457,7 +457,7 @@ class EngineCore:
         prefill chunk: the shapes most steps use. Others compile on first use (`compiled_shapes`)."""
         cfg, groups = self.config, len(self.scheduler.blocks) * self.microbatches
         rows = sorted({fine_bucket(n) for n in range(1, cfg.max_num_seqs + 1)})
-        cb = chunk_blocks(cfg.block_size) if self.split_k else 0          # split-K: one chunk a row (short rows)
+        cb = chunk_blocks(cfg.block_size, self.split_k) if self.split_k else 0   # split-K: a chunk a row (short rows)
         shapes = [StepShape(groups, d, d, MIN_BLOCKS, d if cb else 0, cb, 0, 0, 0) for d in rows]
         chunk = cfg.max_num_batched_tokens                       # one prompt chunk, laid out as build_batch does
         shapes.append(StepShape(groups, fine_bucket(chunk, MIN_TOKENS), 0, 0, 0, 0, *prefill_layout([[chunk]]),

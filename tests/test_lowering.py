@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 from tests.conftest import mesh_for
@@ -46,6 +47,8 @@ from tp_jax.serving.resolve import CheckpointFacts, EngineSetup, Platform, resol
 
 PLATFORMS = {"cuda": "gpu", "tpu": "tpu"}        # lowering platform -> jax's backend name there (Platform.backend)
 PARTITIONER_CALLS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
+KERNEL_CALLS = frozenset({"__gpu$xla.gpu.triton", "tpu_custom_call"})     # Pallas' Triton and Mosaic calls
+TPU_DEVICE = AbstractDevice("TPU v6 lite", 1, "tpu")     # Mosaic lowers for the TPU generation the mesh names
 # settings the resolve step picks on a CPU only: tuned and measured on XLA:CPU (docs/performance.md)
 CPU_TUNED = {"quantization": {"bf16", "gguf_bf16", "w8a8x2_bf16"}, "attention_backend": {"bf16"},
              "layer_loop": {"switch"}}
@@ -62,10 +65,13 @@ def config_problems(setup) -> list[str]:
 
 def accelerator_problems(stablehlo: str) -> list[str]:
     """What in a lowered module (StableHLO text) an accelerator may not run: every custom call that is not the
-    partitioner's (an XLA:CPU kernel such as LAPACK or an FFI target registered for CPU only, a host callback),
-    and float64 values (TPUs have none). Empty: none."""
+    partitioner's or one of tp_jax's own Pallas kernels for the platform (a Triton or Mosaic call whose kernel is
+    named tp_jax_*, tp_jax/models/paged_kernel.py), e.g. an XLA:CPU kernel such as LAPACK or an FFI target
+    registered for CPU only, a host callback; and float64 values (TPUs have none). Empty: none."""
     found = []
-    for target in sorted(set(re.findall(r"custom_call @([\w.$-]+)", stablehlo)) - PARTITIONER_CALLS):
+    ours = {t for t in KERNEL_CALLS if all("tp_jax_" in line for line in stablehlo.splitlines()
+                                           if f"custom_call @{t}" in line)}
+    for target in sorted(set(re.findall(r"custom_call @([\w.$-]+)", stablehlo)) - PARTITIONER_CALLS - ours):
         why = ("a host callback: a round trip to Python inside the step" if "callback" in target else
                "an XLA:CPU kernel" if target.startswith(("lapack_", "ducc_", "xla_cpu")) else
                "a kernel XLA's accelerator backends may not have")
@@ -158,9 +164,9 @@ class Program:
         packed = jax.ShapeDtypeStruct((shape.groups, n), jnp.int32, sharding=NamedSharding(self.mesh, P("dp")))
         adapters = self.adapters and (self.adapters[0], jax.ShapeDtypeStruct((shape.groups, shape.tokens), jnp.int32,
                                                                               sharding=packed.sharding))
-        with mock.patch.object(jax, "default_backend", lambda: self.backend):
+        with mock.patch.object(jax, "default_backend", lambda: self.backend), jax.sharding.use_abstract_mesh(self.mesh):
             traced = self.forward.trace(self.weights, packed, self.pool, self.pool, shape=shape, adapters=adapters)
-        return traced.lower(lowering_platforms=(platform,))
+            return traced.lower(lowering_platforms=(platform,))
 
 
 def step_program(case: Case, setup, cfg, source, backend: str | None = None, max_loras: int = 0,
@@ -219,7 +225,8 @@ def programs(gguf_file):
     def program(case: Case, backend: str, trace_as: str | None = None) -> Program:
         cfg, source, facts = checkpoint(case.model, gguf_file)
         setup = accelerator_setup(case, backend, facts, cfg.max_position_embeddings)
-        return step_program(case, setup, cfg, source, trace_as)
+        return step_program(case, setup, cfg, source, trace_as,
+                            abstract_device=TPU_DEVICE if backend == "tpu" else None)
     return program
 
 
@@ -293,14 +300,14 @@ F32 = CheckpointFacts("safetensors", "LlamaForCausalLM", frozenset({None}))
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 @pytest.mark.parametrize("devices", [1, 8])
 def test_resolve_picks_no_cpu_tuned_setting(backend, devices):
-    """On an accelerator "auto" is bf16 (an explicit float32 kept), the scan loop, the reference attention, float
+    """On an accelerator "auto" is bf16 (an explicit float32 kept), the scan loop, the pallas attention kernel, float
     weights or a GGUF's blocks with dots in the run's dtype: never a setting tuned for XLA:CPU."""
     for facts in (F32, BF16, GGUF):
         for dtype in ("auto", "float32"):
             s = resolve(EngineArgs(dtype=dtype), Platform(backend, num_devices=devices), facts, 8192)
             assert config_problems(s) == [], (facts, dtype, s.summary())
             assert (s.dtype, s.layer_loop, s.attention_backend) == \
-                   ("bfloat16" if dtype == "auto" else "float32", "scan", "reference")
+                   ("bfloat16" if dtype == "auto" else "float32", "scan", "pallas")
             assert s.quantization == ("gguf" if facts is GGUF else None)
             assert f"platform={backend} x {devices}" in s.summary()
     on_cpu = resolve(EngineArgs(), Platform("cpu"), GGUF, 8192)         # the checker itself: CPU's choice is caught
@@ -391,8 +398,8 @@ def test_the_accelerator_branches_are_traced(programs):
     dispatch and 32-row tiles (`row_tiled`): the modules above are the accelerator's, not the CPU's lowered for it."""
     moe = programs(CASES[3], "gpu")
     shape = moe.shapes()["prefill128"]
-    for platform in PLATFORMS:
-        assert "chlo.ragged_dot" in moe.lower(platform, shape).as_text(), platform
+    for platform, backend in PLATFORMS.items():
+        assert "chlo.ragged_dot" in programs(CASES[3], backend).lower(platform, shape).as_text(), platform
     assert "ragged_dot" not in programs(CASES[3], "gpu", trace_as="cpu").lower("cuda", shape).as_text()
     dense = programs(CASES[0], "gpu")                           # tp 8, hidden 64: a GEMM's input is [rows, 64]
     rows = lambda text: {int(m) for m in re.findall(r"stablehlo\.dot_general .*: \(tensor<(\d+)x64xbf16>", text)}
@@ -438,10 +445,10 @@ def test_a_cpu_only_construct_in_the_accelerator_configuration_is_caught(monkeyp
     cfg, source, facts = checkpoint(case.model, None)
     for host in (False, True):
         monkeypatch.setitem(QUANTIZATIONS, "cpu_kernel", cpu_kernel_config(host))
-        setup = accelerator_setup(case, "gpu", facts, cfg.max_position_embeddings, quantization="cpu_kernel")
-        prog = step_program(case, setup, cfg, source)
-        shape = prog.shapes()["decode1"]
-        for platform in PLATFORMS:
+        for platform, backend in PLATFORMS.items():
+            setup = accelerator_setup(case, backend, facts, cfg.max_position_embeddings, quantization="cpu_kernel")
+            prog = step_program(case, setup, cfg, source, abstract_device=TPU_DEVICE if backend == "tpu" else None)
+            shape = prog.shapes()["decode1"]
             if host:
                 with pytest.raises(ValueError, match="lowering"):      # a callback needs devices at lowering
                     prog.lower(platform, shape)

@@ -29,7 +29,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.hlo import count
-from tests.test_lowering import (PLATFORMS, Case, accelerator_problems, accelerator_setup, config_problems, loop_bodies,
+from tests.test_lowering import (PLATFORMS, TPU_DEVICE, Case, accelerator_problems, accelerator_setup, config_problems, loop_bodies,
                                  main_args, reachable, replica_groups, sdy_axes, step_program)
 from tests.test_mxfp4 import gpt_oss_mxfp4  # noqa: F401  (a fixture: the tiny MXFP4 gpt-oss checkpoint)
 from tp_jax.serving.batch import MIN_BLOCKS, MIN_TOKENS, StepShape, fine_bucket, prefill_layout
@@ -94,7 +94,8 @@ def build(sources, feature: str, backend: str):
     loras = 2 if feature == "lora" else 0
     named = dict(max_loras=loras, enable_lora=True) if loras else {}
     setup = accelerator_setup(case, backend, facts, cfg.max_position_embeddings, **named)
-    return step_program(case, setup, cfg, source, max_loras=loras)
+    return step_program(case, setup, cfg, source, max_loras=loras,
+                        abstract_device=TPU_DEVICE if backend == "tpu" else None)
 
 
 @pytest.fixture(scope="module")
@@ -215,46 +216,17 @@ def test_a_planted_cpu_only_kernel_is_caught_in_every_feature(sources, monkeypat
                                           "may not have"]
 
 
-def test_the_pallas_attention_backend_lowers_for_cuda_as_one_triton_kernel(sources):
-    """`attention_backend="pallas"` (tp_jax/models/paged_kernel.py) on the tp 8 Llama: the decode rows' attention is
-    one Triton kernel in the layer loop, the only custom call besides the partitioner's; a mixed step's prefill rows
-    stay the reference's."""
-    from tests.test_lowering import loop_bodies, reachable
-    kind, (dp, pp, tp), _ = FEATURES["lora"]
-    cfg, source, facts = sources(kind)
-    case = Case("pallas", dp, pp, tp)
-    setup = accelerator_setup(case, "gpu", facts, cfg.max_position_embeddings, attention_backend="pallas")
-    prog = step_program(case, setup, cfg, source)
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_the_default_attention_on_an_accelerator_is_one_pallas_kernel(programs, platform):
+    """Resolved for a GPU or a TPU, "auto" attention is the ragged Pallas kernel (tp_jax/models/paged_kernel.py): the
+    tp 8 Llama's decode step and its mixed decode + prefill step each hold one kernel in the layer loop (Triton for
+    cuda, Mosaic exported for a TPU v6e), decode rows and prefill chunks in the same launch, and nothing CPU-only."""
+    prog = programs("lora", PLATFORMS[platform])
+    assert prog.setup.attention_backend == "pallas" and prog.setup.settings["attention_backend"].automatic
+    call = {"cuda": '"__gpu$xla.gpu.triton"', "tpu": '"tpu_custom_call"'}[platform]
     for name in ("decode32", "mixed"):
-        text = prog.lower("cuda", shapes(dp * setup.num_microbatches)[name]).as_text()
-        assert accelerator_problems(text) == ["custom call '__gpu$xla.gpu.triton': a kernel XLA's accelerator "
-                                              "backends may not have"], name
-        hlo = prog.lower("cuda", shapes(dp * setup.num_microbatches)[name]).as_text(dialect="hlo")
+        low = prog.lower(platform, shapes(prog.case.dp * prog.setup.num_microbatches)[name])
+        text, hlo = low.as_text(), low.as_text(dialect="hlo")
+        assert accelerator_problems(text) == [] and "tp_jax_paged_attention" in text, name
         body = "".join(reachable(hlo, [b]) for b in loop_bodies(hlo))
-        assert body.count('custom_call_target="__gpu$xla.gpu.triton"') == 1, name
-
-
-def test_the_pallas_attention_backend_exports_for_a_tpu_as_one_mosaic_kernel(sources):
-    """The same backend resolved for a TPU runs the kernel's Mosaic form (pages copied into VMEM by DMA): the tp 8
-    Llama's decode step exported for a TPU v6e (Mosaic lowers for the generation the mesh's abstract device names)
-    holds one Mosaic custom call in the layer loop and nothing CPU-only."""
-    from unittest import mock
-
-    from jax import export
-    from jax._src.mesh import AbstractDevice
-    kind, (dp, pp, tp), _ = FEATURES["lora"]
-    cfg, source, facts = sources(kind)
-    case = Case("pallas_tpu", dp, pp, tp)
-    setup = accelerator_setup(case, "tpu", facts, cfg.max_position_embeddings, attention_backend="pallas")
-    device = AbstractDevice("TPU v6 lite", 1, "tpu")
-    prog = step_program(case, setup, cfg, source, abstract_device=device)
-    shape = shapes(dp * setup.num_microbatches)["decode32"]
-    from tp_jax.serving.batch import packed_layout
-    n = sum(int(np.prod(s)) for _, s in packed_layout(shape))
-    packed = jax.ShapeDtypeStruct((shape.groups, n), jnp.int32, sharding=NamedSharding(prog.mesh, P("dp")))
-    with mock.patch.object(jax, "default_backend", lambda: "tpu"), jax.sharding.use_abstract_mesh(prog.mesh):
-        text = export.export(prog.forward, platforms=["tpu"])(prog.weights, packed, prog.pool, prog.pool,
-                                                              shape=shape).mlir_module()
-    assert accelerator_problems(text) == ["custom call 'tpu_custom_call': a kernel XLA's accelerator backends may "
-                                          "not have"]
-    assert text.count("custom_call @tpu_custom_call") == 1 and "tp_jax_paged_attention_tpu" in text
+        assert body.count(f"custom_call_target={call}") == 1, name

@@ -172,12 +172,12 @@ def test_a_ragged_launch_equals_the_reference(form, groups, variant, dtype):
 
 @pytest.mark.parametrize("form", ["triton", "mosaic"])
 def test_the_latent_pool_in_a_ragged_launch(form):
-    """MLA's latent pool: one KV head, the values its first r channels, no value pool (r = 16, rope = 8 here)."""
-    q, kp, _, pos, batch, _, n = ragged_case(8, jnp.float32, seed=3, hd=24, hkv=1)
+    """MLA's latent pool: one KV head, the values its first r channels, no value pool (r = 32, rope = 16 here)."""
+    q, kp, _, pos, batch, _, n = ragged_case(8, jnp.float32, seed=3, hd=48, hkv=1)
     vp = jnp.zeros(kp.shape[:-1] + (0,), kp.dtype)
-    ref = paged_reference(q, kp, vp, jnp.int32(1), pos, batch, 0.2, None, v_dim=16)[:n]
-    got = paged_pallas(q, kp, vp, jnp.int32(1), pos, batch, 0.2, None, v_dim=16, form=form)[:n]
-    assert got.shape == ref.shape == (n, 8 * 16)
+    ref = paged_reference(q, kp, vp, jnp.int32(1), pos, batch, 0.2, None, v_dim=32)[:n]
+    got = paged_pallas(q, kp, vp, jnp.int32(1), pos, batch, 0.2, None, v_dim=32, form=form)[:n]
+    assert got.shape == ref.shape == (n, 8 * 32)
     assert float(jnp.abs(ref - got).max()) <= 1e-5
 
 
@@ -294,16 +294,24 @@ def checkpoints(tmp_path_factory):
     from tests.tiny_models import make_checkpoint, randomize
     root = str(tmp_path_factory.mktemp("paged_kernel"))
     torch.manual_seed(0)
+    widths = {"gpt_oss": dict(head_dim=16),                    # Triton's sizes: powers of two, at least 16
+              "ds3": dict(kv_lora_rank=16, qk_rope_head_dim=16, head_dim=16)}
     for name in ("gpt_oss", "ds3"):
-        model = _randomize_extras(randomize(transformers.AutoModelForCausalLM.from_config(hf_config(name)).eval()))
+        model = _randomize_extras(randomize(transformers.AutoModelForCausalLM.from_config(
+            hf_config(name, **widths[name])).eval()))
         model.save_pretrained(os.path.join(root, name), safe_serialization=True)
     return {"llama": make_checkpoint("gqa", root), "gpt_oss": os.path.join(root, "gpt_oss"),
             "ds3": os.path.join(root, "ds3")}
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt_oss", "ds3"])
-def test_the_engine_with_the_kernel_equals_the_reference_backend(checkpoints, name):
+def test_the_engine_with_the_kernel_equals_the_reference_backend(checkpoints, name, monkeypatch):
     from tp_jax import LLM, SamplingParams
+    from tp_jax.models import paged_kernel
+    launches = []
+    real = paged_kernel.paged_attention
+    monkeypatch.setattr(paged_kernel, "paged_attention",
+                        lambda *a, **k: launches.append((a[0].shape[1], k["chunk_keys"])) or real(*a, **k))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 250, n).tolist() for n in (5, 30, 47)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
@@ -313,6 +321,7 @@ def test_the_engine_with_the_kernel_equals_the_reference_backend(checkpoints, na
                   max_num_batched_tokens=16, progress=False)
         assert llm.setup.attention_backend == backend
         outs[backend] = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert any(qb > 1 for qb, _ in launches) and any(keys for _, keys in launches)     # prefill blocks; decode chunks
     for ref, got in zip(outs["reference"], outs["pallas"]):
         assert got.token_ids == ref.token_ids
         lp = lambda c: np.array([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])   # noqa: E731

@@ -32,8 +32,9 @@ def setup(platform, checkpoint, **kw):
     ("cpu x8+bf16", Platform("cpu", AVX2, 8), BF16, dict(layer_loop="scan", quantization=None)),
     ("cpu+moe", Platform("cpu", AVX2), MOE, dict(dtype="float32", layer_loop="scan", quantization=None)),
     ("gpu+gguf", Platform("gpu", num_devices=8), GGUF, dict(dtype="bfloat16", layer_loop="scan", quantization="gguf",
-                                                            attention_backend="reference")),
+                                                            attention_backend="pallas")),
     ("gpu+bf16", Platform("gpu"), BF16, dict(dtype="bfloat16", layer_loop="scan", quantization=None)),
+    ("tpu+bf16", Platform("tpu", num_devices=8), BF16, dict(dtype="bfloat16", attention_backend="pallas")),
 ])
 def test_the_rules_and_the_logged_reasons(case, platform, checkpoint, expected):
     s = setup(platform, checkpoint)

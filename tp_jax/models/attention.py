@@ -326,13 +326,14 @@ def paged_pallas(q, k_pool, v_pool, layer, positions, batch, scale, window, soft
     """`paged_reference` by the Pallas kernel (tp_jax/models/paged_kernel.py), one launch for the step's decode rows
     and prefill chunks: each row's blocks read where they lie, no gathered copy (Triton on a GPU, Mosaic on a TPU,
     Pallas' interpreter on a CPU). A prefill chunk's T queries go as T / QB blocks of QB queries (`query_block`, a
-    property of the model), each with its chunk's table. A quantized pool (float8, int8) is left to the reference.
+    property of the model), each with its chunk's table. A quantized pool (float8, int8), and on Triton head widths
+    that are not powers of two (Phi-3's 96, tiny test models: `covers`), are left to the reference.
     `form`: the kernel's "triton" or "mosaic" form (None: the platform's; Triton's off a TPU)."""
-    from tp_jax.models.paged_kernel import paged_attention, query_block
-    if stored is not None:
+    from tp_jax.models.paged_kernel import covers, paged_attention, query_block
+    form = form or ("mosaic" if jax.default_backend() == "tpu" else "triton")
+    if stored is not None or not covers(form, q.shape[-1], v_pool.shape[-1], v_dim):
         return paged_reference(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=softcap,
                                sinks=sinks, v_dim=v_dim, stored=stored, scales=scales)
-    form = form or ("mosaic" if jax.default_backend() == "tpu" else "triton")
     n, hq, _ = q.shape
     d, p, rv = batch.decode_tables.shape[0], batch.prefill_tables.shape[0], batch.chunk_tables.shape[0]
     split = bool(d and rv)                         # the decode rows as their split-K chunks (`SPLIT_K_BACKENDS`)

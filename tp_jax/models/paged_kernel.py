@@ -53,6 +53,15 @@ def query_block(groups: int, form: str = "triton") -> int:
     return max(1, 1 << max(0, (QUERY_TILE // gp).bit_length() - 1))
 
 
+def covers(form: str, head_dim: int, value_dim: int, v_dim: int | None = None) -> bool:
+    """Whether the kernel's `form` takes these widths: Triton's loads and dots need power-of-two sizes of at least 16
+    (a key part, the values; MLA's latent r and rotary width separately); Mosaic takes any."""
+    if form != "triton":
+        return True
+    widths = (head_dim, value_dim) if v_dim is None else (v_dim, head_dim - v_dim)
+    return all(w >= 16 and w & (w - 1) == 0 for w in widths)
+
+
 def _padded(groups: int, form: str) -> int:
     tile = HEAD_TILE[form]
     return -(-groups // tile) * tile

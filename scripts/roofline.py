@@ -8,10 +8,13 @@ For each published config (tests/data/configs), tp, batch and context (the token
 * the floor: the weights one device reads once per decode step (an MoE layer's routed experts only: E (1 - (1 -
   k/E)^batch) of its E experts expected to be chosen by `batch` rows of k each) plus the live KV cache read once
   (batch x context x the pool's bytes per token per device), from the abstract model the engine builds;
-* the reference attention (the only backend on an accelerator today, tp_jax/models/attention.py `paged_reference`)
-  reads each row's blocks from the pool into a dense copy per layer (`gather_rows`), which the dots then read:
-  the live KV is read, written and read again, 3 x, however well XLA fuses the rest (a gather into a dot operand
-  is not fused); a paged kernel reads it once;
+* the kernel, the default on a GPU or a TPU (`attention_backend="pallas"`, tp_jax/models/paged_kernel.py): the
+  weights plus, per layer, the launch's declared CostEstimate for the step as the engine lays it out (each decode
+  row split in 512-position chunks, each chunk's pages read once, queries and outputs): `kernel_bytes`;
+* the reference attention (tp_jax/models/attention.py `paged_reference`, the CPU's default and an accelerator's
+  with `attention_backend="reference"`) reads each row's blocks from the pool into a dense copy per layer
+  (`gather_rows`), which the dots then read: the live KV is read, written and read again, 3 x, however well XLA
+  fuses the rest (a gather into a dot operand is not fused);
 * XLA's own count: the engine's decode program (ModelRunner's forward, configured by the resolve step for a GPU,
   traced as on a GPU, lowered for `cuda` over abstract weights and pool) with one layer at this context and at a
   128-token one: its cost analysis ("bytes accessed" of the module before fusion, loops unrolled) gives the bytes
@@ -164,30 +167,50 @@ def model_mesh(tp: int):
     return make_mesh(tp=tp, devices=jax.devices()[:tp])
 
 
+def kernel_bytes(model, tp: int, batch: int, context: int) -> float:
+    """What the kernel declares it reads and writes in a decode step, all layers: `batch` rows of `context` keys, each
+    split in chunks of SPLIT_K_BACKENDS["pallas"] positions (build_batch's layout), one launch per layer."""
+    import jax.numpy as jnp
+    from tp_jax.models.attention import SPLIT_K_BACKENDS
+    from tp_jax.models.paged_kernel import cost
+    layout, cfg = model.kv_layout(), model.config
+    span = SPLIT_K_BACKENDS["pallas"]
+    hkv = layout.kv_heads // tp
+    g = cfg.num_heads // tp // hkv
+    hv = layout.v_head_dim if layout.v_head_dim is not None else layout.head_dim
+    per_layer = cost(batch * -(-context // span), 1, hkv, g, span // BLOCK_SIZE, BLOCK_SIZE, layout.head_dim, hv,
+                     jnp.bfloat16, layout.dtype).bytes_accessed
+    return layout.num_layers * per_layer
+
+
 def point(name: str, config: dict, model, tp: int, batch: int, context: int) -> dict:
     from tp_jax.loaders.model import param_bytes_per_device
     weights = weight_floor(model, tp, batch)
     kv = batch * context * model.kv_layout().bytes_per_token(1, tp)
     floor, reference = weights + kv, weights + 3 * kv
+    kernel = weights + kernel_bytes(model, tp, batch, context)
     resident = param_bytes_per_device(model, model_mesh(tp)) + kv
     return {"model": name, "tp": tp, "batch": batch, "context": context, "weights_bytes": round(weights),
             "resident_bytes": round(resident), "fits_h100": resident <= H100_MEMORY_BYTES,
             "kv_bytes": round(kv), "floor_bytes": round(floor), "reference_bytes": round(reference),
+            "kernel_bytes": round(kernel), "kernel_over_floor": round(kernel / floor, 3),
             "reference_over_floor": round(reference / floor, 3),
-            "xla_kv_per_kv_byte": round(xla_kv_multiplier(config, tp, batch, context), 2),
+            "xla_kv_per_kv_byte": round(xla_kv_multiplier(config, tp, batch, context, "reference"), 2),
             "xla_kv_per_kv_byte_pallas": round(xla_kv_multiplier(config, tp, batch, context, "pallas"), 2),
             "floor_tok_s": round(batch * H100_BYTES_PER_S / floor),
+            "kernel_tok_s": round(batch * H100_BYTES_PER_S / kernel),
             "reference_tok_s": round(batch * H100_BYTES_PER_S / reference)}
 
 
 def table(rows: list[dict]) -> str:
     head = ["model", "tp", "batch", "context", "weights read GB", "live KV GB", "fits 80 GB", "floor tok/s",
-            "reference x floor",
-            "reference tok/s", "XLA bytes per KV byte", "the same, pallas kernel"]
+            "kernel (default) x floor", "kernel tok/s", "reference x floor", "reference tok/s",
+            "XLA bytes per KV byte", "the same, pallas kernel"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append(f"| {r['model']} | {r['tp']} | {r['batch']} | {r['context']} | {r['weights_bytes'] / 1e9:.2f} | "
-                     f"{r['kv_bytes'] / 1e9:.3f} | {'yes' if r['fits_h100'] else 'no'} | {r['floor_tok_s']:,} | {r['reference_over_floor']:.2f} | "
+                     f"{r['kv_bytes'] / 1e9:.3f} | {'yes' if r['fits_h100'] else 'no'} | {r['floor_tok_s']:,} | "
+                     f"{r['kernel_over_floor']:.2f} | {r['kernel_tok_s']:,} | {r['reference_over_floor']:.2f} | "
                      f"{r['reference_tok_s']:,} | {r['xla_kv_per_kv_byte']:.1f} | {r['xla_kv_per_kv_byte_pallas']:.1f} |")
     return "\n".join(lines)
 

@@ -202,6 +202,25 @@ def test_a_row_in_a_ragged_launch_is_the_same_alone(form):
         np.testing.assert_array_equal(got, together[tokens])
 
 
+@pytest.mark.parametrize("form", ["triton", "mosaic"])
+@pytest.mark.parametrize("fmt,scales", [("float8_e4m3fn", (0.5, 2.0)), ("float8_e5m2", None)])
+def test_a_float8_pool_in_a_ragged_launch(form, fmt, scales):
+    """A float8 cache (`kv_cache_dtype` fp8: uint8 pools holding the format's bits over per-layer k / v scales, or
+    1.0 without checkpoint scales): the kernel reads the bits, the scales folded into the queries and the output."""
+    from tp_jax.models.attention import quantize_rows
+    from tp_jax.models.cache import KVQuant
+    q, kp, vp, pos, batch, sinks, n = ragged_case(4, jnp.float32, seed=7)
+    s = (1.0, 1.0) if scales is None else scales
+    stored = KVQuant(np.dtype(getattr(jnp, fmt)))
+    kq, vq = (quantize_rows(x, stored.dtype, sc) for x, sc in ((kp, s[0]), (vp, s[1])))
+    extra = dict(stored=stored, scales=None if scales is None else jnp.asarray(scales, jnp.float32), sinks=sinks)
+    ref = paged_reference(q, kq, vq, jnp.int32(2), pos, batch, 0.25, 8, **extra)[:n]
+    got = paged_pallas(q, kq, vq, jnp.int32(2), pos, batch, 0.25, 8, form=form, **extra)[:n]
+    assert float(jnp.abs(ref - got).max()) <= 1e-5
+    assert float(jnp.abs(ref - paged_reference(q, kp, vp, jnp.int32(2), pos, batch, 0.25, 8, sinks=sinks)[:n]).max()) \
+        > 1e-3                                                           # the rounding is real: the check can fail
+
+
 def split_case(groups: int, seed: int = 4, chunk_blocks: int = 3):
     """ragged_case's step with its decode rows also laid out split-K (flash-decoding: chunks of `chunk_blocks`
     blocks, as build_batch lays them out), two padding chunks after them."""
@@ -246,8 +265,9 @@ def test_a_split_row_is_the_same_alone():
 
 
 def test_a_ragged_launch_lowers_for_cuda_and_tpu():
-    """A mixed step's launch, MLA's latent pool at DeepSeek-V3's widths (r = 512, rope = 64, 16 heads a rank) and a
-    launch with split decode rows, lowered: one Triton kernel for `cuda`, one Mosaic kernel exported for a TPU v6e."""
+    """A mixed step's launch, MLA's latent pool at DeepSeek-V3's widths (r = 512, rope = 64, 16 heads a rank), a
+    launch with split decode rows and one over a float8 pool, lowered: one Triton kernel for `cuda`, one Mosaic kernel
+    exported for a TPU v6e."""
     q, kp, vp, pos, batch, sinks, _ = ragged_case(4, jnp.bfloat16)
     mixed = lambda form: jax.jit(lambda q, kp, vp, pos: paged_pallas(         # noqa: E731
         q, kp, vp, jnp.int32(1), pos, batch, 0.25, 8, None, sinks, form=form))
@@ -264,6 +284,15 @@ def test_a_ragged_launch_lowers_for_cuda_and_tpu():
         q, kp, vp, jnp.int32(1), pos, batchs, 0.25, 8, None, sinkss, form=form))
     assert _lowered_kernels(split("triton"), "cuda", qs, ks, vs, poss) == 1
     assert _lowered_kernels(split("mosaic"), "tpu", qs, ks, vs, poss) == 1
+    from tp_jax.models.attention import quantize_rows
+    from tp_jax.models.cache import KVQuant
+    fp8 = KVQuant(np.dtype(jnp.float8_e4m3fn))
+    kq, vq = (quantize_rows(x, fp8.dtype, 0.5) for x in (kp, vp))
+    quantized = lambda form: jax.jit(lambda q, kp, vp, pos: paged_pallas(      # noqa: E731
+        q, kp, vp, jnp.int32(1), pos, batch, 0.25, 8, None, sinks, stored=fp8, scales=jnp.asarray([0.5, 0.5]),
+        form=form))
+    assert _lowered_kernels(quantized("triton"), "cuda", q, kq, vq, pos) == 1
+    assert _lowered_kernels(quantized("mosaic"), "tpu", q, kq, vq, pos) == 1
 
 
 def _lowered_kernels(fn, platform: str, *args) -> int:

@@ -326,12 +326,14 @@ def paged_pallas(q, k_pool, v_pool, layer, positions, batch, scale, window, soft
     """`paged_reference` by the Pallas kernel (tp_jax/models/paged_kernel.py), one launch for the step's decode rows
     and prefill chunks: each row's blocks read where they lie, no gathered copy (Triton on a GPU, Mosaic on a TPU,
     Pallas' interpreter on a CPU). A prefill chunk's T queries go as T / QB blocks of QB queries (`query_block`, a
-    property of the model), each with its chunk's table. A quantized pool (float8, int8), and on Triton head widths
-    that are not powers of two (Phi-3's 96, tiny test models: `covers`), are left to the reference.
+    property of the model), each with its chunk's table. A float8 pool's bits are read in the kernel, its per-layer
+    scales folded into the queries (keys) and the output (values); an int8 pool (per-row scales), and on Triton head
+    widths that are not powers of two (Phi-3's 96, tiny test models: `covers`), are left to the reference.
     `form`: the kernel's "triton" or "mosaic" form (None: the platform's; Triton's off a TPU)."""
     from tp_jax.models.paged_kernel import covers, paged_attention, query_block
     form = form or ("mosaic" if jax.default_backend() == "tpu" else "triton")
-    if stored is not None or not covers(form, q.shape[-1], v_pool.shape[-1], v_dim):
+    int8 = stored is not None and jnp.dtype(stored.dtype) == jnp.int8
+    if int8 or not covers(form, q.shape[-1], v_pool.shape[-1], v_dim):
         return paged_reference(q, k_pool, v_pool, layer, positions, batch, scale, window, softcap=softcap,
                                sinks=sinks, v_dim=v_dim, stored=stored, scales=scales)
     n, hq, _ = q.shape
@@ -356,10 +358,16 @@ def paged_pallas(q, k_pool, v_pool, layer, positions, batch, scale, window, soft
     index = jnp.concatenate(index)                                                     # [R, QB]: N for padding
     q_rows = jnp.take(q, index, axis=0, mode="fill", fill_value=0)
     q_pos = jnp.take(positions, index, axis=0, mode="fill", fill_value=-1)
+    k_scale, v_scale = _kv_scales(scales)
+    if k_scale is not None:                       # a float8 cache's key scale: q . (k s) = (q s) . k
+        q_rows = q_rows.astype(jnp.float32) * k_scale
     out = paged_attention(q_rows, k_pool, v_pool, layer, q_pos, tables, scale, window, softcap, sinks, v_dim,
                           decode_rows=starts[0].shape[0], key_start=jnp.concatenate(starts),
-                          chunk_keys=batch.chunk_tables.shape[1] * k_pool.shape[3] if split else None, form=form)
+                          chunk_keys=batch.chunk_tables.shape[1] * k_pool.shape[3] if split else None,
+                          kv_format=None if stored is None else stored.dtype, form=form)
     out, lse = out if split else (out, None)
+    if v_scale is not None:                       # and its value scale: sum p (v s) = s sum p v
+        out = out * (k_scale if v_dim is not None else v_scale)
     hv = out.shape[-1] // hq
     flat = out.reshape(-1, hq * hv)
     if split:                                     # the first Rv rows are chunks: not scattered, combined below

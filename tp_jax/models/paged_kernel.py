@@ -139,8 +139,14 @@ def _rows(q_ref, pos_ref, sinks_ref, o_ref, lse_ref, lo, hi, start, steps, windo
         pl.when(row >= decode_rows)(lambda: run(tokens, False))
 
 
+def _values(x, kv_format):
+    """A loaded tile of the pool in float32: a float8 cache's uint8 bits read as `kv_format` (its scale is applied
+    outside the kernel: folded into the queries and the output)."""
+    return (x if kv_format is None else jax.lax.bitcast_convert_type(x, kv_format)).astype(jnp.float32)
+
+
 def _triton_kernel(layer_ref, window_ref, lo_ref, hi_ref, start_ref, tables_ref, q_ref, pos_ref, k_ref, v_ref,
-                   sinks_ref, o_ref, lse_ref, *, kv_heads: int, block_size: int, v_dim: int | None, **kw):
+                   sinks_ref, o_ref, lse_ref, *, kv_heads: int, block_size: int, v_dim: int | None, kv_format, **kw):
     row, head = pl.program_id(0), pl.program_id(1)
     pool_row = layer_ref[0] * kv_heads + head
     span = PAGES_PER_STEP * block_size
@@ -148,7 +154,7 @@ def _triton_kernel(layer_ref, window_ref, lo_ref, hi_ref, start_ref, tables_ref,
 
     def load(c):
         pages = tables_ref[pl.ds(c * PAGES_PER_STEP, PAGES_PER_STEP)]
-        tile = lambda ref, a, b: ref[pool_row, pages, :, pl.ds(a, b)].reshape(span, b).astype(jnp.float32)  # noqa
+        tile = lambda ref, a, b: _values(ref[pool_row, pages, :, pl.ds(a, b)].reshape(span, b), kv_format)  # noqa
         if v_dim is None:
             return [tile(k_ref, 0, hd)], tile(v_ref, 0, v_ref.shape[-1])
         latent = tile(k_ref, 0, v_dim)
@@ -161,7 +167,7 @@ def _triton_kernel(layer_ref, window_ref, lo_ref, hi_ref, start_ref, tables_ref,
 
 def _mosaic_kernel(layer_ref, window_ref, lo_ref, hi_ref, start_ref, tables_ref, q_ref, pos_ref, k_hbm, v_hbm,
                    sinks_ref, o_ref, lse_ref, k_buf, v_buf, sems, *, kv_heads: int, block_size: int,
-                   v_dim: int | None, width: int, **kw):
+                   v_dim: int | None, width: int, kv_format, **kw):
     row, head = pl.program_id(0), pl.program_id(1)
     pool_row = layer_ref[0] * kv_heads + head
     span = PAGES_PER_STEP * block_size
@@ -177,10 +183,10 @@ def _mosaic_kernel(layer_ref, window_ref, lo_ref, hi_ref, start_ref, tables_ref,
             dma.start()
         for dma in dmas:
             dma.wait()
-        k = k_buf[...].reshape(span, -1).astype(jnp.float32)
+        k = _values(k_buf[...].reshape(span, -1), kv_format)
         if v_dim is None:
-            return [k], v_buf[...].reshape(span, -1).astype(jnp.float32)
-        return [k], k_buf[:, :, pl.ds(0, v_dim)].reshape(span, v_dim).astype(jnp.float32)
+            return [k], _values(v_buf[...].reshape(span, -1), kv_format)
+        return [k], _values(k_buf[:, :, pl.ds(0, v_dim)].reshape(span, v_dim), kv_format)
 
     _rows(q_ref, pos_ref, sinks_ref, o_ref, lse_ref, lo_ref[row], hi_ref[row], start_ref[row],
           width // PAGES_PER_STEP, window_ref[0], load, span=span, **kw)
@@ -189,8 +195,8 @@ def _mosaic_kernel(layer_ref, window_ref, lo_ref, hi_ref, start_ref, tables_ref,
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, q_pos: jax.Array,
                     tables: jax.Array, scale: float, window=None, softcap: float | None = None,
                     sinks: jax.Array | None = None, v_dim: int | None = None, decode_rows: int = 0,
-                    key_start: jax.Array | None = None, chunk_keys: int | None = None, form: str = "triton",
-                    interpret: bool | None = None):
+                    key_start: jax.Array | None = None, chunk_keys: int | None = None, kv_format=None,
+                    form: str = "triton", interpret: bool | None = None):
     """Rows of queries q[R, QB, Hq, hd] at positions q_pos[R, QB] (-1: padding) over k/v_pool[L, Hkv, NB, bs, hd] at
     stacked layer `layer`, each row its block table tables[R, W] -> [R, QB, Hq * hv] in q's dtype (padding queries:
     zeros or garbage, never read). The first `decode_rows` rows hold one query, at token 0 (a prefill block's QB is
@@ -198,8 +204,9 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
     first v_dim channels (MLA: v_pool unread). `key_start[R]`: the position of each row's first table entry (a decode
     row's split-K chunk; None: 0). `chunk_keys`: the decode rows are chunks of at most this many keys (their tables'
     first chunk_keys / block_size entries), combined by the caller: their sinks are left out and the launch returns
-    (out, lse[R, Hq]), each decode query's log-sum-exp (-inf: no key seen).
-    `form`: "triton" (GPU) or "mosaic" (TPU). `interpret`: None = on a CPU, in Pallas' interpreter."""
+    (out, lse[R, Hq]), each decode query's log-sum-exp (-inf: no key seen). `kv_format`: a float8 dtype whose bits
+    the uint8 pools hold (a float8 cache; its scales are the caller's: fold the key scale into q, the value scale
+    into the output). `form`: "triton" (GPU) or "mosaic" (TPU). `interpret`: None = on a CPU, in Pallas' interpreter."""
     r, qb, hq, hd = q.shape
     num_layers, hkv, nb, bs, _ = k_pool.shape
     g = hq // hkv
@@ -222,7 +229,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
     pools = [x.reshape(num_layers * hkv, nb, bs, x.shape[-1]) for x in ((k_pool,) if v_dim else (k_pool, v_pool))]
     parts = ((0, hd),) if v_dim is None or form == "mosaic" else ((0, v_dim), (v_dim, hd - v_dim))
     kw = dict(kv_heads=hkv, block_size=bs, v_dim=v_dim, rows=r, decode_rows=decode_rows, parts=parts, scale=scale,
-              softcap=softcap, hv=hv, key_limit=chunk_keys)
+              softcap=softcap, hv=hv, key_limit=chunk_keys, kv_format=kv_format)
     out_shape = [jax.ShapeDtypeStruct((r, qb, hkv, gp, hv), q.dtype)]
     if partial:
         out_shape.append(jax.ShapeDtypeStruct((r, hkv, 1, gp), jnp.float32))

@@ -187,10 +187,10 @@ class EngineArgs:
     seed: int = arg(0, "the engine's randomness for unseeded requests", count("", minimum=None))
     max_logprobs: int = arg(20, "the most logprobs (and prompt_logprobs) a request may ask for",
                             count(" (the most logprobs a request may ask for)", minimum=0), cli=False)
-    attention_backend: str = arg("auto", "paged attention: auto, reference (float32), bf16 (bf16 dot operands, "
-                                 "float32 accumulation, decode split-K), pallas (a Pallas kernel reads the decode "
-                                 "rows' blocks in place: Triton on a GPU, Mosaic on a TPU)", one_of(attention_backends,
-                                                                                 "an attention backend"),
+    attention_backend: str = arg("auto", "paged attention: auto (pallas on a GPU or TPU, else reference), reference "
+                                 "(float32), bf16 (bf16 dot operands, float32 accumulation, decode split-K), pallas "
+                                 "(a ragged Pallas kernel reads every row's blocks in place: Triton on a GPU, Mosaic "
+                                 "on a TPU)", one_of(attention_backends, "an attention backend"),
                                  choices=attention_backends)
     layer_loop: str = arg("auto", "how a step runs the decoder layers: auto, scan (stacked weights), switch "
                           "(per-layer weights read in place)", one_of(layer_loops, "a layer loop"),

@@ -1,15 +1,20 @@
-"""The Pallas paged decode kernel (tp_jax/models/paged_kernel.py), both forms (`triton`: the GPU's, `mosaic`: the
-TPU's, pages copied by DMA) in Pallas' interpreters on CPU against the reference backend, and lowered for `cuda`
-(Triton) and `tpu` (Mosaic, for a TPU v6e):
+"""The ragged Pallas paged attention kernel (tp_jax/models/paged_kernel.py), both forms (`triton`: the GPU's,
+`mosaic`: the TPU's, pages copied by DMA) in Pallas' interpreters on CPU against the reference backend, and lowered
+for `cuda` (Triton) and `tpu` (Mosaic, for a TPU v6e):
 
-* random pools and ragged decode rows (1 to 61 keys, tables of unequal width, blocks scattered over the pool): GQA
-  groups of 1, 4 and 6 query heads per KV head, no window / an int window / a traced per-layer window, soft-capping,
-  sinks; float32 within 1e-5 of `paged_reference`, bfloat16 within bfloat16 rounding;
-* the numeric contract: a row's output is the same, bit for bit, alone and inside a batch of other rows;
-* `attention_backend="pallas"` through the engine (decode rows by the kernel, prefill chunks by the reference) on a
-  tiny Llama and on gpt-oss's sinks and alternating windows: tokens equal and logprobs within 1e-5 of the reference
-  backend's in float32;
-* lowered, the kernel is one Triton custom call for `cuda` and one Mosaic custom call for `tpu`.
+* decode rows alone: random pools, ragged rows (1 to 61 keys, blocks scattered over the pool), GQA groups of 1, 4
+  and 6, no window / an int window / a traced per-layer window, soft-capping, sinks; float32 within 1e-5 of
+  `paged_reference`, bfloat16 within bfloat16 rounding;
+* ragged launches (`paged_pallas`): decode rows and prefill chunks (one after a prefix hit) in one launch, the same
+  variants; MLA's latent pool; float8 pools with and without checkpoint scales; long decode rows split over their
+  context (flash-decoding) and combined by log-sum-exp;
+* the numeric contract: a decode row, a prefill chunk and a split row alone equal the same rows inside a launch,
+  bit for bit;
+* through the engine (`attention_backend="pallas"`, decode and prefill rows both by the kernel) on a tiny Llama,
+  gpt-oss's sinks and alternating windows and DeepSeek-V3's latent attention: tokens equal and logprobs within 1e-5
+  of the reference backend's in float32;
+* lowered: one Triton custom call for `cuda` and one Mosaic custom call for `tpu`, for decode-only, mixed, latent,
+  split and float8 launches.
 """
 
 import numpy as np

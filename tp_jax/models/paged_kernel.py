@@ -11,11 +11,15 @@ unnormalized output; flash attention's recurrence). A decode row is attended wit
 prefill block with QB x G: a row's numbers depend on its own blocks alone, bit for bit whatever else the launch
 holds (a step of masked keys leaves a query's partials exactly as they were).
 
-It covers GQA groups, a per-layer sliding window (an int or a traced per-layer value), Gemma 2's logit
-soft-capping, gpt-oss's sinks (the recurrence starts from the sink: m = sink, l = 1, o = 0) and MLA's latent pool
-(one KV head whose values are the keys' first r channels; on Triton the scores are q_c . c + q_pe . k_pe, two dots
-of power-of-two widths, as vLLM's MLA kernels split them). A quantized pool (float8, int8) is left to the reference
-(`paged_pallas` falls back).
+Long decode rows split over their context (flash-decoding): given `key_start` and `chunk_keys`, each decode row of a
+launch is one chunk of a row's context (build_batch lays rows out in 512-position chunks) and the launch also
+returns each chunk's log-sum-exp, which `paged_pallas` combines per row. It covers GQA groups, a per-layer sliding
+window (an int or a traced per-layer value), Gemma 2's logit soft-capping, gpt-oss's sinks (the recurrence starts
+from the sink: m = sink, l = 1, o = 0; a split row's sinks are added once, in the combine), MLA's latent pool (one KV
+head whose values are the keys' first r channels; on Triton the scores are q_c . c + q_pe . k_pe, two dots of
+power-of-two widths, as vLLM's MLA kernels split them) and float8 pools (`kv_format`: the bits bitcast, the scales
+the caller's). An int8 pool (per-row scales) and, on Triton, widths that are not powers of two of at least 16
+(`covers`) are left to the reference (`paged_pallas` falls back).
 
 Two forms of one algorithm (`_attend_rows`). `form="triton"`, Pallas on Triton (GPU): the query heads of a KV head
 are padded to a multiple of 16 (Triton's smallest dot) and the pool's blocks are read by row (`layer * kv_heads +

@@ -1,0 +1,104 @@
+"""Decode context parallelism (DCP) for latent attention: a sequence's latent cache spread over the ranks of the tp
+group (vLLM's `decode_context_parallel_size`), instead of replicated on every tp rank (tp_jax/models/mla.py).
+
+With d dcp ranks (d divides tp; tp rank t is dcp rank r = t % d of the group of the d ranks t // d * d + 0..d-1),
+a sequence's tokens are interleaved over its group: position p lives on dcp rank p % d (vLLM's interleave 1: a
+growing sequence stays balanced). A block of the engine's `block_size` B positions (one block-table entry, what the
+scheduler, the prefix cache and the batch count) is split: each rank's physical block holds B / d of them, so the
+pool's bytes per token per device are divided by d.
+
+    slot  = table[p // B] * B + p % B                         the batch's, as without DCP
+    local = table[p // B] * (B / d) + (p % B) // d            on rank p % d; -1 (not written) elsewhere
+    a rank's gathered context row j holds position j * d + r  (the masks read these positions)
+
+A layer's paged attention (`attend_dcp`):
+1. all-gather q over the tp axis, keeping the group's heads: [N, d * H_tp, r + rope] (one collective);
+2. each rank attends every head of its group over its share of each row's context, the absorbed form in fixed
+   key chunks (`chunked_attention` with the share's positions: batch-invariant), keeping each query's log-sum-exp;
+3. all-to-all of [o, lse] (rank j receives the partials of its own heads from every rank), then each rank combines
+   its heads' partials in rank order: out = sum_i o_i exp(lse_i - L), L = log sum_i exp(lse_i) (one collective).
+Under tp > d both collectives run over the whole tp axis (shard_map has no sub-group all-to-all): the gather keeps
+the group's slice, the all-to-all carries empty partials (lse -inf, weight 0) between groups.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tp_jax.models.attention import _kv_scales, chunked_attention, gather_rows, write_pool
+from tp_jax.parallel import collectives
+from tp_jax.parallel.mesh import TP
+
+
+def local_slots(slots: jax.Array, block_size: int, d: int, r) -> jax.Array:
+    """The batch's slots[N] (blocks of `block_size` positions) as dcp rank r's pool slots (blocks of block_size / d);
+    -1 for a token another rank holds, or none."""
+    block, offset = slots // block_size, slots % block_size
+    return jnp.where((slots >= 0) & (offset % d == r), block * (block_size // d) + offset // d, -1)
+
+
+def attend_dcp(q: jax.Array, k: jax.Array, positions: jax.Array, cache, *, scale: float, v_dim: int):
+    """q[B, T, H_tp, hd] (this rank's heads) and the step's latent k[B, T, 1, hd] over the dcp-split pool ->
+    (out[B, T, H_tp * v_dim], cache with k written): `attend`'s contract for latent attention (v = k[..., :v_dim])."""
+    d, tp = cache.dcp, collectives.axis_size(TP)
+    t = collectives.axis_index(TP)
+    r, group, hl = t % d, t // d, q.shape[2]
+    q_group = collectives.all_gather(q, TP, dim=2)                                 # [B, T, tp * H_tp, hd]
+    if tp > d:
+        q_group = jax.lax.dynamic_slice_in_dim(q_group, group * d * hl, d * hl, axis=2)
+    k_scale = _kv_scales(cache.scales)[0]
+    dot = jnp.bfloat16 if cache.backend == "bf16" else None
+    pool, outs, lses = cache.k, [], []
+    for b in range(q.shape[0]):                        # B is 1 inside the pipeline (one micro-batch)
+        batch = cache.batch.row(b)
+        slots = local_slots(batch.slots, pool.shape[3] * d, d, r)
+        pool = write_pool(pool, cache.layer, slots, k[b], cache.stored, k_scale)
+        o, lse = _partials(q_group[b], pool, cache.layer, positions[b], batch, scale, v_dim, cache.stored, k_scale,
+                           d, r, dot)
+        outs.append(o)
+        lses.append(lse)
+    out = _combine(jnp.stack(outs), jnp.stack(lses), d, tp, group)                 # [B, T, H_tp, v_dim]
+    return out.reshape(*out.shape[:2], -1).astype(q.dtype), cache.replace(k=pool)
+
+
+def _partials(q, pool, layer, positions, batch, scale, v_dim, stored, k_scale, d, r, dot):
+    """q[N, Hg, hd] (the group's heads) over this rank's share of each row's context -> the normalized partial
+    outputs o[N, Hg, v_dim] (float32) and log-sum-exps lse[N, Hg] (-inf: no key of this rank seen)."""
+    n, hg, _ = q.shape
+    nd, np_ = batch.decode_tables.shape[0], batch.prefill_tables.shape[0]
+    out, lse = jnp.zeros((n, hg, v_dim), jnp.float32), jnp.full((n, hg), -jnp.inf)
+
+    def rows(q_rows, pos_rows, tables):
+        k = gather_rows(pool, layer, tables, q.dtype, stored, k_scale)            # [R, 1, S, hd]
+        o, l = chunked_attention(q_rows, k, k[..., :v_dim], pos_rows, scale, dot_dtype=dot,
+                                 k_pos=jnp.arange(k.shape[2]) * d + r, with_lse=True)
+        return o.reshape(*o.shape[:2], hg, v_dim).astype(jnp.float32), l         # [R, T, Hg, v], [R, T, Hg]
+
+    if nd:
+        o, l = rows(q[:nd, None], positions[:nd, None], batch.decode_tables)
+        out, lse = out.at[:nd].set(o[:, 0]), lse.at[:nd].set(l[:, 0])
+    if np_:
+        index = batch.prefill_index                                                # [P, T] (N: padding)
+        o, l = rows(jnp.take(q, index, axis=0, mode="fill", fill_value=0),
+                    jnp.take(positions, index, axis=0, mode="fill", fill_value=0), batch.prefill_tables)
+        out, lse = out.at[index].set(o, mode="drop"), lse.at[index].set(l, mode="drop")
+    return out, lse
+
+
+def _combine(out: jax.Array, lse: jax.Array, d: int, tp: int, group) -> jax.Array:
+    """Every rank's partials of its group's heads, out[B, N, d * H_tp, v] and lse[B, N, d * H_tp] -> this rank's
+    heads combined [B, N, H_tp, v]: one all-to-all of [o, lse], then the log-sum-exp weights, in rank order."""
+    b, n, hg, v = out.shape
+    part = jnp.concatenate([out, lse[..., None]], axis=-1).reshape(b, n, d, hg // d, v + 1)
+    part = jnp.moveaxis(part, 2, 0)                                                # [d, B, N, H_tp, v + 1]: to rank j
+    if tp > d:                                     # the whole tp axis: nothing (lse -inf) to another group's ranks
+        to = jnp.arange(tp)
+        empty = jnp.concatenate([jnp.zeros(v), jnp.full((1,), -jnp.inf)])
+        part = jnp.where((to // d == group)[:, None, None, None, None], jnp.take(part, to % d, axis=0), empty)
+    got = jax.lax.all_to_all(part, TP, 0, 0, tiled=True)                           # [tp, B, N, H_tp, v + 1]: from i
+    o, l = got[..., :v], got[..., v]
+    top = l.max(0)
+    w = jnp.exp(l - jnp.where(jnp.isfinite(top), top, 0))                          # 0 where a rank saw no key
+    den = w.sum(0)
+    return (o * w[..., None]).sum(0) / jnp.where(den > 0, den, 1)[..., None]

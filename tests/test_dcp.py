@@ -1,0 +1,74 @@
+"""Decode context parallelism (tp_jax/models/dcp.py): a latent (MLA) cache's tokens interleaved over the tp ranks.
+
+Tiny DeepSeek-V2-Lite-style (a full q_proj) and V3-style (q_lora_rank, YaRN, interleaved rotary) checkpoints
+(tests/flagship_models.py) run the same workload with decode_context_parallel_size = tp and = 1: chunked prefill,
+a prefix-cache hit, preemption (a pool too small for every row) and ngram speculative verify rows; prompt and
+sampled logprobs (float32) agree within 2e-5 and greedy tokens are equal, over tp 2, dp 2 x tp 2, pp 2 x tp 2 and
+tp 4 with dcp 2 (two groups). The pool's bytes per token per device are divided by dcp; the lowered step program
+holds two more collectives per layer (q's all-gather, the partials' all-to-all); bad values are refused.
+"""
+
+import functools
+import os
+
+import numpy as np
+import pytest
+
+from tp_jax.serving.llm import LLM
+from tp_jax.serving.sampling import SamplingParams
+
+PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 3], [5, 17, 200, 42, 9], [299, 3, 77, 150]]
+SHARED = PROMPTS[0][:8] + [40, 41]                 # two blocks of 4 shared with PROMPTS[0]: a prefix-cache hit
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+HIT = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)   # prompt_logprobs reads no cache
+ENGINE = dict(block_size=4, max_num_batched_tokens=8, max_model_len=32, num_gpu_blocks=8, progress=False,
+              compile_cache=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                       "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{name: path}: the tiny DeepSeek-V2 (no q_lora_rank) and V3 checkpoints, written by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from tests.flagship_models import _randomize_extras, hf_config
+    from tests.tiny_models import randomize
+    root, out = tmp_path_factory.mktemp("dcp"), {}
+    for name in ("ds2", "ds3"):
+        torch.manual_seed(sum(map(ord, name)))
+        model = _randomize_extras(randomize(AutoModelForCausalLM.from_config(hf_config(name)).eval()))
+        out[name] = os.path.join(root, name)
+        model.save_pretrained(out[name], safe_serialization=True)
+    return out
+
+
+def run(path, **mesh):
+    """(logprobs of every prompt and sampled token, greedy tokens, num_cached_tokens, preemptions, the pool)."""
+    llm = LLM(path, **ENGINE, **mesh)
+    outs = llm.generate(PROMPTS, PARAMS) + llm.generate([SHARED], HIT)
+    logprobs = [[lp[t].logprob for lp, t in zip((o.prompt_logprobs or [])[1:], o.prompt_token_ids[1:])] +
+                [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    core = llm.engine.core
+    return (np.concatenate(logprobs), [o.outputs[0].token_ids for o in outs], outs[-1].num_cached_tokens,
+            core.stats["preemptions"], core.pool)
+
+
+@functools.cache
+def reference(path):
+    return run(path, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("name,dp,pp,tp,dcp", [("ds2", 1, 1, 2, 2), ("ds2", 2, 1, 2, 2), ("ds3", 1, 2, 2, 2),
+                                               ("ds3", 1, 1, 4, 2)])
+def test_dcp_matches_dcp_1(checkpoints, name, dp, pp, tp, dcp):
+    ref_logprobs, ref_tokens, ref_cached, _, ref_pool = reference(checkpoints[name])
+    logprobs, tokens, cached, preempted, pool = run(checkpoints[name], tensor_parallel_size=tp, data_parallel_size=dp,
+                                                    pipeline_parallel_size=pp, decode_context_parallel_size=dcp)
+    assert tokens == ref_tokens
+    assert np.abs(logprobs - ref_logprobs).max() <= TOL
+    assert cached == ref_cached == 8                                   # SHARED's two blocks from the prefix cache
+    assert preempted > 0 or dp > 1                                     # 8 blocks a replica: too few for 3 rows
+    assert (pool.dcp, pool.device_block_size, pool.shape[3]) == (dcp, 4 // dcp, 4 // dcp)
+    assert pool.bytes_per_token * dcp * pp == ref_pool.bytes_per_token * (ref_pool.mesh_shape[1])
+    assert pool.bytes_per_device * dcp == pool.num_blocks * 4 * pool.layout.bytes_per_token(pp, tp)

@@ -72,3 +72,49 @@ def test_dcp_matches_dcp_1(checkpoints, name, dp, pp, tp, dcp):
     assert (pool.dcp, pool.device_block_size, pool.shape[3]) == (dcp, 4 // dcp, 4 // dcp)
     assert pool.bytes_per_token * dcp * pp == ref_pool.bytes_per_token * (ref_pool.mesh_shape[1])
     assert pool.bytes_per_device * dcp == pool.num_blocks * 4 * pool.layout.bytes_per_token(pp, tp)
+
+
+@pytest.mark.parametrize("dcp", [4, 2])
+def test_lowered_program_adds_two_collectives_per_layer(dcp):
+    """DeepSeek-V3 at dp 2 x tp 4 with expert parallelism (tests/test_lowering_features.py's mla_ds3), lowered for
+    cuda on an abstract mesh of 8: the layer loop's body holds, beside dcp 1's three tp all-reduces and the expert
+    block's dp all-gather and reduce-scatter, one all-gather of q and one all-to-all of the partials, both over the tp
+    groups of consecutive devices (dcp 2: over the whole tp axis, the groups' halves masked); no other all-to-all."""
+    from tests.flagship_models import hf_config
+    from tests.hlo import count
+    from tests.test_lowering import (Case, accelerator_setup, loop_bodies, reachable, replica_groups, step_program)
+    from tests.test_lowering_features import shapes
+    from tp_jax.models.config import config_from_hf
+    from tp_jax.serving.resolve import CheckpointFacts
+    cfg = config_from_hf(hf_config("ds3"))
+    case = Case("mla_ds3_dcp", 2, 1, 4, expert_parallel=True)
+    facts = CheckpointFacts("safetensors", cfg.architecture, frozenset({None}), experts=True)
+    setup = accelerator_setup(case, "gpu", facts, cfg.max_position_embeddings, decode_context_parallel_size=dcp)
+    assert setup.decode_context_parallel_size == dcp and not setup.settings["decode_context_parallel_size"].automatic
+    prog = step_program(case, setup, cfg, None)
+    assert prog.pool.shape[3] == 16 // dcp
+    hlo = prog.lower("cuda", shapes(2)["mixed"]).as_text(dialect="hlo")
+    bodies = [b for b in (reachable(hlo, [name]) for name in loop_bodies(hlo)) if count(b, "all-reduce")]
+    assert len(bodies) == 1
+    ops = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+    assert [count(bodies[0], op) for op in ops] == [3, 1 + 1, 1, 0, 1]
+    assert count(hlo, "all-to-all") == 1
+    tp_groups = [list(range(s, s + 4)) for s in range(0, 8, 4)]
+    assert replica_groups(bodies[0], "all-to-all") == [tp_groups]
+
+
+def test_bad_values_are_refused_with_the_fix(checkpoints):
+    from tp_jax.serving.engine_args import EngineArgs
+    with pytest.raises(ValueError, match=r"decode_context_parallel_size=4 must divide tensor_parallel_size=2 .*"
+                                         r"choose one of \[1, 2\]"):
+        EngineArgs(tensor_parallel_size=2, decode_context_parallel_size=4)
+    with pytest.raises(ValueError, match=r"decode_context_parallel_size=2 must divide block_size=5 .*choose one of "
+                                         r"\[1\]"):
+        EngineArgs(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=5)
+    with pytest.raises(ValueError, match=r"decode_context_parallel_size=0 .*"):
+        EngineArgs(decode_context_parallel_size=0)
+    from tests.tiny_models import make_checkpoint
+    llama = make_checkpoint("gqa", os.path.dirname(checkpoints["ds2"]))
+    with pytest.raises(ValueError, match=r"decode_context_parallel_size=2 splits a latent-attention \(MLA: "
+                                         r"DeepSeek-V2/V3\) cache; .* use decode_context_parallel_size=1"):
+        LLM(llama, tensor_parallel_size=2, decode_context_parallel_size=2, progress=False)

@@ -118,3 +118,21 @@ def test_bad_values_are_refused_with_the_fix(checkpoints):
     with pytest.raises(ValueError, match=r"decode_context_parallel_size=2 splits a latent-attention \(MLA: "
                                          r"DeepSeek-V2/V3\) cache; .* use decode_context_parallel_size=1"):
         LLM(llama, tensor_parallel_size=2, decode_context_parallel_size=2, progress=False)
+
+
+def test_deepseek_v3_bytes_per_token_at_tp_8(tmp_path):
+    """The published DeepSeek-V3 config (tests/data/configs) at tp 8, bf16: 61 layers x (512 + 64) x 2 bytes = 70,272
+    bytes per token on every device at dcp 1 (the latent replicated), 8,784 at dcp 8 (scripts/kv_capacity.py --dcp)."""
+    import shutil
+    import jax
+    import jax.numpy as jnp
+    from tp_jax.loaders.model import abstract_model
+    from tp_jax.models.config import load_config
+    from tp_jax.parallel.mesh import make_mesh
+    from tp_jax.serving.kv_pool import PoolShape
+    shutil.copy(os.path.join(os.path.dirname(__file__), "data", "configs", "DeepSeek-V3.json"),
+                tmp_path / "config.json")
+    layout = abstract_model(load_config(str(tmp_path)), make_mesh(tp=8, devices=jax.devices()[:8]),
+                            jnp.bfloat16).kv_layout()
+    per_token = {d: PoolShape(layout, 1, 16, (1, 1, 8), dcp=d).bytes_per_token for d in (1, 8)}
+    assert per_token == {1: 61 * 576 * 2, 8: 61 * 576 * 2 // 8} == {1: 70272, 8: 8784}

@@ -20,6 +20,8 @@ Two equal ways to attend (the test checks them against each other and against tr
 Under tp the heads split and the latent is computed and cached on every tp rank (vLLM's choice): the pool
 has one latent "head" per tp rank (`kv_layout`: kv_heads = tp, head_dim = r + rope, no value pool).
 A device holds, per token and layer, r + rope values instead of standard attention's 2 * H_kv_tp * head_dim.
+With decode context parallelism (`decode_context_parallel_size` d) each tp rank holds 1/d of a sequence's tokens
+instead: `attend` hands the paged step to tp_jax/models/dcp.py.
 """
 
 from __future__ import annotations

@@ -72,6 +72,9 @@ def test_dcp_matches_dcp_1(checkpoints, name, dp, pp, tp, dcp):
     assert (pool.dcp, pool.device_block_size, pool.shape[3]) == (dcp, 4 // dcp, 4 // dcp)
     assert pool.bytes_per_token * dcp * pp == ref_pool.bytes_per_token * (ref_pool.mesh_shape[1])
     assert pool.bytes_per_device * dcp == pool.num_blocks * 4 * pool.layout.bytes_per_token(pp, tp)
+    assert f"{pool.bytes_per_token} bytes per token per device" in pool.describe()          # the start-up log
+    assert f"decode context parallel over {dcp} tp ranks: each holds {4 // dcp} of a block's 4 tokens" in \
+        pool.describe()
 
 
 @pytest.mark.parametrize("dcp", [4, 2])

@@ -207,8 +207,8 @@ RULES: dict[str, list[Rule]] = {
              lambda f: f.args.decode_context_parallel_size, "named by the user"),
         Rule("otherwise", lambda f: True, 1, "a latent cache replicated on every tp rank: splitting it divides its "
              "bytes per token per device by dcp but adds two collectives a layer (q's all-gather, the partials' "
-             "all-to-all) and changes the softmax's summation order (within 1e-5, not bit-equal), so only when "
-             "named"),
+             "all-to-all) and changes the softmax's summation order (logprobs within 2e-5 of dcp 1, not bit-equal: "
+             "tests/test_dcp.py), so only when named"),
     ],
     "attention_backend": [
         _asked("attention_backend"),

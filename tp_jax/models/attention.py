@@ -366,12 +366,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array | None, positions: jax.Array
     """
     if v_dim is not None:
         v = k[..., :v_dim]
-    if cache is not None and cache.dcp > 1:
-        if v_dim is None or window is not None or softcap is not None or sinks is not None:
-            raise ValueError("decode_context_parallel_size > 1 splits only a latent (MLA) cache without window, "
-                             "softcap or sinks; use decode_context_parallel_size=1 for this model")
-        from tp_jax.models.dcp import attend_dcp
-        return attend_dcp(q, k, positions, cache, scale=scale, v_dim=v_dim)
+    if cache is not None and cache.dcp > 1:       # latent attention attends a split pool through models/dcp.py
+        raise ValueError("decode_context_parallel_size > 1 splits only a latent (MLA) cache; use "
+                         "decode_context_parallel_size=1 for this model")
     if cache is None:
         return attention(q, k, v, positions, positions, scale, window, softcap=softcap, sinks=sinks), None
     impl = PAGED_BACKENDS[cache.backend]

@@ -17,7 +17,7 @@ import pytest
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
-PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 3], [5, 17, 200, 42, 9], [299, 3, 77, 150]]
+PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 3], [9, 9, 9, 9, 9], [299, 3, 77, 150]]   # 9s: ngram drafts
 SHARED = PROMPTS[0][:8] + [40, 41]                 # two blocks of 4 shared with PROMPTS[0]: a prefix-cache hit
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0)
 HIT = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)   # prompt_logprobs reads no cache
@@ -44,14 +44,15 @@ def checkpoints(tmp_path_factory):
 
 
 def run(path, **mesh):
-    """(logprobs of every prompt and sampled token, greedy tokens, num_cached_tokens, preemptions, the pool)."""
+    """(logprobs of every prompt and sampled token, greedy tokens, num_cached_tokens, preemptions, the pool, the
+    verified drafts)."""
     llm = LLM(path, **ENGINE, **mesh)
     outs = llm.generate(PROMPTS, PARAMS) + llm.generate([SHARED], HIT)
     logprobs = [[lp[t].logprob for lp, t in zip((o.prompt_logprobs or [])[1:], o.prompt_token_ids[1:])] +
                 [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
     core = llm.engine.core
     return (np.concatenate(logprobs), [o.outputs[0].token_ids for o in outs], outs[-1].num_cached_tokens,
-            core.stats["preemptions"], core.pool)
+            core.stats["preemptions"], core.pool, core.spec.drafts)
 
 
 @functools.cache
@@ -62,13 +63,14 @@ def reference(path):
 @pytest.mark.parametrize("name,dp,pp,tp,dcp", [("ds2", 1, 1, 2, 2), ("ds2", 2, 1, 2, 2), ("ds3", 1, 2, 2, 2),
                                                ("ds3", 1, 1, 4, 2)])
 def test_dcp_matches_dcp_1(checkpoints, name, dp, pp, tp, dcp):
-    ref_logprobs, ref_tokens, ref_cached, _, ref_pool = reference(checkpoints[name])
-    logprobs, tokens, cached, preempted, pool = run(checkpoints[name], tensor_parallel_size=tp, data_parallel_size=dp,
+    ref_logprobs, ref_tokens, ref_cached, _, ref_pool, _ = reference(checkpoints[name])
+    logprobs, tokens, cached, preempted, pool, drafts = run(checkpoints[name], tensor_parallel_size=tp, data_parallel_size=dp,
                                                     pipeline_parallel_size=pp, decode_context_parallel_size=dcp)
     assert tokens == ref_tokens
     assert np.abs(logprobs - ref_logprobs).max() <= TOL
     assert cached == ref_cached == 8                                   # SHARED's two blocks from the prefix cache
     assert preempted > 0 or dp > 1                                     # 8 blocks a replica: too few for 3 rows
+    assert drafts > 0                                                  # verify rows: a query row per draft token
     assert (pool.dcp, pool.device_block_size, pool.shape[3]) == (dcp, 4 // dcp, 4 // dcp)
     assert pool.bytes_per_token * dcp * pp == ref_pool.bytes_per_token * (ref_pool.mesh_shape[1])
     assert pool.bytes_per_device * dcp == pool.num_blocks * 4 * pool.layout.bytes_per_token(pp, tp)

@@ -105,7 +105,9 @@ def test_lowered_program_adds_two_collectives_per_layer(dcp):
     assert [count(bodies[0], op) for op in ops] == [3, 1 + 1, 1, 0, 1]
     assert count(hlo, "all-to-all") == 1
     tp_groups = [list(range(s, s + 4)) for s in range(0, 8, 4)]
+    dp_groups = [list(range(r, 8, 4)) for r in range(4)]
     assert replica_groups(bodies[0], "all-to-all") == [tp_groups]
+    assert sorted(replica_groups(bodies[0], "all-gather")) == sorted([tp_groups, dp_groups])    # q's, the experts'
 
 
 def test_bad_values_are_refused_with_the_fix(checkpoints):

@@ -79,12 +79,13 @@ def test_dcp_matches_dcp_1(checkpoints, name, dp, pp, tp, dcp):
         pool.describe()
 
 
+@pytest.mark.parametrize("backend,platform", [("gpu", "cuda"), ("tpu", "tpu")])
 @pytest.mark.parametrize("dcp", [4, 2])
-def test_lowered_program_adds_two_collectives_per_layer(dcp):
+def test_lowered_program_adds_two_collectives_per_layer(dcp, backend, platform):
     """DeepSeek-V3 at dp 2 x tp 4 with expert parallelism (tests/test_lowering_features.py's mla_ds3), lowered for
-    cuda on an abstract mesh of 8: the layer loop's body holds, beside dcp 1's three tp all-reduces and the expert
-    block's dp all-gather and reduce-scatter, one all-gather of q and one all-to-all of the partials, both over the tp
-    groups of consecutive devices (dcp 2: over the whole tp axis, the groups' halves masked); no other all-to-all."""
+    cuda and tpu on an abstract mesh of 8: the layer loop's body holds, beside dcp 1's three tp all-reduces and the expert
+    block's dp all-gather and reduce-scatter, one all-gather of q and one all-to-all of the partials, both over the dcp
+    groups (dcp consecutive devices: the tp groups at dcp 4, their halves at dcp 2); no other all-to-all."""
     from tests.flagship_models import hf_config
     from tests.hlo import count
     from tests.test_lowering import (Case, accelerator_setup, loop_bodies, reachable, replica_groups, step_program)
@@ -94,20 +95,20 @@ def test_lowered_program_adds_two_collectives_per_layer(dcp):
     cfg = config_from_hf(hf_config("ds3"))
     case = Case("mla_ds3_dcp", 2, 1, 4, expert_parallel=True)
     facts = CheckpointFacts("safetensors", cfg.architecture, frozenset({None}), experts=True)
-    setup = accelerator_setup(case, "gpu", facts, cfg.max_position_embeddings, decode_context_parallel_size=dcp)
+    setup = accelerator_setup(case, backend, facts, cfg.max_position_embeddings, decode_context_parallel_size=dcp)
     assert setup.decode_context_parallel_size == dcp and not setup.settings["decode_context_parallel_size"].automatic
     prog = step_program(case, setup, cfg, None)
     assert prog.pool.shape[3] == 16 // dcp
-    hlo = prog.lower("cuda", shapes(2)["mixed"]).as_text(dialect="hlo")
+    hlo = prog.lower(platform, shapes(2)["mixed"]).as_text(dialect="hlo")
     bodies = [b for b in (reachable(hlo, [name]) for name in loop_bodies(hlo)) if count(b, "all-reduce")]
     assert len(bodies) == 1
     ops = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
     assert [count(bodies[0], op) for op in ops] == [3, 1 + 1, 1, 0, 1]
     assert count(hlo, "all-to-all") == 1
-    tp_groups = [list(range(s, s + 4)) for s in range(0, 8, 4)]
+    dcp_groups = [list(range(s, s + dcp)) for s in range(0, 8, dcp)]
     dp_groups = [list(range(r, 8, 4)) for r in range(4)]
-    assert replica_groups(bodies[0], "all-to-all") == [tp_groups]
-    assert sorted(replica_groups(bodies[0], "all-gather")) == sorted([tp_groups, dp_groups])    # q's, the experts'
+    assert replica_groups(bodies[0], "all-to-all") == [dcp_groups]
+    assert sorted(replica_groups(bodies[0], "all-gather")) == sorted([dcp_groups, dp_groups])    # q's, the experts'
 
 
 def test_bad_values_are_refused_with_the_fix(checkpoints):

@@ -11,14 +11,12 @@ pool's bytes per token per device are divided by d.
     local = table[p // B] * (B / d) + (p % B) // d            on rank p % d; -1 (not written) elsewhere
     a rank's gathered context row j holds position j * d + r  (the masks read these positions)
 
-A layer's paged attention (`attend_dcp`):
-1. all-gather q over the tp axis, keeping the group's heads: [N, d * H_tp, r + rope] (one collective);
+A layer's paged attention (`attend_dcp`), its collectives over the dcp groups (`dcp_groups`):
+1. all-gather q over the group: its ranks' heads, [N, d * H_tp, r + rope] (one collective);
 2. each rank attends every head of its group over its share of each row's context, the absorbed form in fixed
    key chunks (`chunked_attention` with the share's positions: batch-invariant), keeping each query's log-sum-exp;
 3. all-to-all of [o, lse] (rank j receives the partials of its own heads from every rank), then each rank combines
    its heads' partials in rank order: out = sum_i o_i exp(lse_i - L), L = log sum_i exp(lse_i) (one collective).
-Under tp > d both collectives run over the whole tp axis (shard_map has no sub-group all-to-all): the gather keeps
-the group's slice, the all-to-all carries empty partials (lse -inf, weight 0) between groups.
 """
 
 from __future__ import annotations
@@ -31,6 +29,11 @@ from tp_jax.parallel import collectives
 from tp_jax.parallel.mesh import TP
 
 
+def dcp_groups(d: int, tp: int) -> list[list[int]] | None:
+    """The dcp groups as tp axis indices (d consecutive ranks each); None: the whole tp axis (d = tp)."""
+    return None if d == tp else [list(range(s, s + d)) for s in range(0, tp, d)]
+
+
 def local_slots(slots: jax.Array, block_size: int, d: int, r) -> jax.Array:
     """The batch's slots[N] (blocks of `block_size` positions) as dcp rank r's pool slots (blocks of block_size / d);
     -1 for a token another rank holds, or none."""
@@ -41,12 +44,9 @@ def local_slots(slots: jax.Array, block_size: int, d: int, r) -> jax.Array:
 def attend_dcp(q: jax.Array, k: jax.Array, positions: jax.Array, cache, *, scale: float, v_dim: int):
     """q[B, T, H_tp, hd] (this rank's heads) and the step's latent k[B, T, 1, hd] over the dcp-split pool ->
     (out[B, T, H_tp * v_dim], cache with k written): `attend`'s contract for latent attention (v = k[..., :v_dim])."""
-    d, tp = cache.dcp, collectives.axis_size(TP)
-    t = collectives.axis_index(TP)
-    r, group, hl = t % d, t // d, q.shape[2]
-    q_group = collectives.all_gather(q, TP, dim=2)                                 # [B, T, tp * H_tp, hd]
-    if tp > d:
-        q_group = jax.lax.dynamic_slice_in_dim(q_group, group * d * hl, d * hl, axis=2)
+    d, groups = cache.dcp, dcp_groups(cache.dcp, collectives.axis_size(TP))
+    r = collectives.axis_index(TP) % d
+    q_group = jax.lax.all_gather(q, TP, axis=2, tiled=True, axis_index_groups=groups)    # [B, T, d * H_tp, hd]
     k_scale = _kv_scales(cache.scales)[0]
     dot = jnp.bfloat16 if cache.backend == "bf16" else None
     pool, outs, lses = cache.k, [], []
@@ -58,7 +58,7 @@ def attend_dcp(q: jax.Array, k: jax.Array, positions: jax.Array, cache, *, scale
                            d, r, dot)
         outs.append(o)
         lses.append(lse)
-    out = _combine(jnp.stack(outs), jnp.stack(lses), d, tp, group)                 # [B, T, H_tp, v_dim]
+    out = _combine(jnp.stack(outs), jnp.stack(lses), d, groups)                    # [B, T, H_tp, v_dim]
     return out.reshape(*out.shape[:2], -1).astype(q.dtype), cache.replace(k=pool)
 
 
@@ -86,17 +86,14 @@ def _partials(q, pool, layer, positions, batch, scale, v_dim, stored, k_scale, d
     return out, lse
 
 
-def _combine(out: jax.Array, lse: jax.Array, d: int, tp: int, group) -> jax.Array:
+def _combine(out: jax.Array, lse: jax.Array, d: int, groups) -> jax.Array:
     """Every rank's partials of its group's heads, out[B, N, d * H_tp, v] and lse[B, N, d * H_tp] -> this rank's
-    heads combined [B, N, H_tp, v]: one all-to-all of [o, lse], then the log-sum-exp weights, in rank order."""
+    heads combined [B, N, H_tp, v]: one all-to-all of [o, lse] in the group, then the log-sum-exp weights, in rank
+    order."""
     b, n, hg, v = out.shape
     part = jnp.concatenate([out, lse[..., None]], axis=-1).reshape(b, n, d, hg // d, v + 1)
     part = jnp.moveaxis(part, 2, 0)                                                # [d, B, N, H_tp, v + 1]: to rank j
-    if tp > d:                                     # the whole tp axis: nothing (lse -inf) to another group's ranks
-        to = jnp.arange(tp)
-        empty = jnp.concatenate([jnp.zeros(v), jnp.full((1,), -jnp.inf)])
-        part = jnp.where((to // d == group)[:, None, None, None, None], jnp.take(part, to % d, axis=0), empty)
-    got = jax.lax.all_to_all(part, TP, 0, 0, tiled=True)                           # [tp, B, N, H_tp, v + 1]: from i
+    got = jax.lax.all_to_all(part, TP, 0, 0, tiled=True, axis_index_groups=groups)  # [d, B, N, H_tp, v + 1]: from i
     o, l = got[..., :v], got[..., v]
     top = l.max(0)
     w = jnp.exp(l - jnp.where(jnp.isfinite(top), top, 0))                          # 0 where a rank saw no key

@@ -4,7 +4,7 @@ Tiny DeepSeek-V2-Lite-style (a full q_proj) and V3-style (q_lora_rank, YaRN, int
 (tests/flagship_models.py) run the same workload with decode_context_parallel_size = tp and = 1: chunked prefill,
 a prefix-cache hit, preemption (a pool too small for every row) and ngram speculative verify rows; prompt and
 sampled logprobs (float32) agree within 2e-5 and greedy tokens are equal, over tp 2, dp 2 x tp 2, pp 2 x tp 2 and
-tp 4 with dcp 2 (two groups). The pool's bytes per token per device are divided by dcp; the lowered step program
+tp 4 with dcp 2 (two groups), and with an int8 KV cache. The pool's bytes per token per device are divided by dcp; the lowered step program
 holds two more collectives per layer (q's all-gather, the partials' all-to-all); bad values are refused.
 """
 
@@ -77,6 +77,13 @@ def test_dcp_matches_dcp_1(checkpoints, name, dp, pp, tp, dcp):
     assert f"{pool.bytes_per_token} bytes per token per device" in pool.describe()          # the start-up log
     assert f"decode context parallel over {dcp} tp ranks: each holds {4 // dcp} of a block's 4 tokens" in \
         pool.describe()
+
+
+def test_an_int8_kv_cache_splits_alike(checkpoints):
+    """A quantized pool (int8 rows with their float16 scale) split over 2 ranks reads back what dcp 1 reads."""
+    (ref, ref_tokens, *_), (got, tokens, *_) = (run(checkpoints["ds2"], tensor_parallel_size=2, kv_cache_dtype="int8",
+                                                    decode_context_parallel_size=d) for d in (1, 2))
+    assert tokens == ref_tokens and np.abs(got - ref).max() <= TOL
 
 
 @pytest.mark.parametrize("backend,platform", [("gpu", "cuda"), ("tpu", "tpu")])

@@ -48,31 +48,30 @@ def attend_dcp(q: jax.Array, k: jax.Array, positions: jax.Array, cache, *, scale
     r = collectives.axis_index(TP) % d
     q_group = jax.lax.all_gather(q, TP, axis=2, tiled=True, axis_index_groups=groups)    # [B, T, d * H_tp, hd]
     k_scale = _kv_scales(cache.scales)[0]
-    dot = jnp.bfloat16 if cache.backend == "bf16" else None
-    pool, outs, lses = cache.k, [], []
+    outs, lses = [], []
     for b in range(q.shape[0]):                        # B is 1 inside the pipeline (one micro-batch)
         batch = cache.batch.row(b)
-        slots = local_slots(batch.slots, pool.shape[3] * d, d, r)
-        pool = write_pool(pool, cache.layer, slots, k[b], cache.stored, k_scale)
-        o, lse = _partials(q_group[b], pool, cache.layer, positions[b], batch, scale, v_dim, cache.stored, k_scale,
-                           d, r, dot)
+        slots = local_slots(batch.slots, cache.k.shape[3] * d, d, r)
+        cache = cache.replace(k=write_pool(cache.k, cache.layer, slots, k[b], cache.stored, k_scale))
+        o, lse = _partials(q_group[b], positions[b], batch, cache, scale, v_dim, r)
         outs.append(o)
         lses.append(lse)
     out = _combine(jnp.stack(outs), jnp.stack(lses), d, groups)                    # [B, T, H_tp, v_dim]
-    return out.reshape(*out.shape[:2], -1).astype(q.dtype), cache.replace(k=pool)
+    return out.reshape(*out.shape[:2], -1).astype(q.dtype), cache
 
 
-def _partials(q, pool, layer, positions, batch, scale, v_dim, stored, k_scale, d, r, dot):
-    """q[N, Hg, hd] (the group's heads) over this rank's share of each row's context -> the normalized partial
-    outputs o[N, Hg, v_dim] (float32) and log-sum-exps lse[N, Hg] (-inf: no key of this rank seen)."""
+def _partials(q, positions, batch, cache, scale, v_dim, r):
+    """q[N, Hg, hd] (the group's heads) over dcp rank r's share of each row's context (cache.k, this rank's pool)
+    -> the normalized partial outputs o[N, Hg, v_dim] (float32) and log-sum-exps lse[N, Hg] (-inf: no key seen)."""
     n, hg, _ = q.shape
     nd, np_ = batch.decode_tables.shape[0], batch.prefill_tables.shape[0]
     out, lse = jnp.zeros((n, hg, v_dim), jnp.float32), jnp.full((n, hg), -jnp.inf)
+    dot = jnp.bfloat16 if cache.backend == "bf16" else None
 
     def rows(q_rows, pos_rows, tables):
-        k = gather_rows(pool, layer, tables, q.dtype, stored, k_scale)            # [R, 1, S, hd]
-        o, l = chunked_attention(q_rows, k, k[..., :v_dim], pos_rows, scale, dot_dtype=dot,
-                                 k_pos=jnp.arange(k.shape[2]) * d + r, with_lse=True)
+        k = gather_rows(cache.k, cache.layer, tables, q.dtype, cache.stored, _kv_scales(cache.scales)[0])
+        o, l = chunked_attention(q_rows, k, k[..., :v_dim], pos_rows, scale, dot_dtype=dot,       # k [R, 1, S, hd]
+                                 k_pos=jnp.arange(k.shape[2]) * cache.dcp + r, with_lse=True)
         return o.reshape(*o.shape[:2], hg, v_dim).astype(jnp.float32), l         # [R, T, Hg, v], [R, T, Hg]
 
     if nd:

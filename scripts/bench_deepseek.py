@@ -2,7 +2,7 @@
 
     python scripts/bench_deepseek.py [--tp 1 2] [--simulate-devices 2] [--batch 1 8] [--tokens 32] [--rounds 3]
                                      [--layers 4] [--experts 64] [--expert-width 256] [--top-k 4]
-                                     [--layer-loop auto] [--keep DIR]
+                                     [--layer-loop auto] [--dcp 1] [--keep DIR]
 
 Two random float32 checkpoints, written by transformers:
 * DeepSeek-V3 style: latent attention (q_lora_rank, kv_lora_rank, decoupled rope), sigmoid routing over
@@ -19,7 +19,9 @@ bench_decode.py, measured in `--rounds` rounds alternating the two models (order
 Reported per mesh and batch: each model's median tokens/s, `deepseek_over_dense` (the ratio of the medians)
 and the per-round ratios; per mesh and model: the KV bytes one token takes on one device (the engine's pool:
 MLA caches kv_lora_rank + qk_rope values per token and layer on every tp rank), the weight bytes per device
-and what the resolve step chose. `--keep DIR` keeps the checkpoints (e.g. for scripts/profile_step.py
+and what the resolve step chose. `--dcp d` (d > 1): on each mesh whose tp d divides, a third engine on the same
+DeepSeek checkpoint with decode_context_parallel_size=d ("deepseek_dcp{d}": its latent cache split over the tp
+ranks) joins the rounds, and `dcp_over_dcp1` is its median tokens/s over the plain DeepSeek's. `--keep DIR` keeps the checkpoints (e.g. for scripts/profile_step.py
 --model DIR/deepseek --prompt-tokens 8).
 """
 
@@ -49,6 +51,7 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "switch"],
                     help="LLM(layer_loop=...) for both models (auto: the resolve step's choice)")
+    ap.add_argument("--dcp", type=int, default=1, help="also the DeepSeek model at this decode_context_parallel_size")
     ap.add_argument("--keep", default=None, help="write the checkpoints here and keep them (default: a temp dir)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)      # the mesh's tp, in its process
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
@@ -145,18 +148,21 @@ def measure_mesh(args) -> dict:
     from bench_decode import _timed
     from tp_jax import LLM, SamplingParams
     from tp_jax.loaders.model import param_bytes_per_device
-    from tp_jax.serving.kv_pool import block_bytes_per_device
     tp, names = args.child, ("deepseek", "dense")
-    llms = {name: LLM(os.path.join(args.dir, name), tensor_parallel_size=tp, progress=False,
+    dcp = f"deepseek_dcp{args.dcp}"
+    if args.dcp > 1 and tp % args.dcp == 0:
+        names += (dcp,)
+    llms = {name: LLM(os.path.join(args.dir, name.split("_")[0]), tensor_parallel_size=tp, progress=False,
                       layer_loop=args.layer_loop,
-                      **({"enable_expert_parallel": True} if name == "deepseek" and tp > 1 else {}))
+                      **({"enable_expert_parallel": True} if name != "dense" and tp > 1 else {}),
+                      **({"decode_context_parallel_size": args.dcp} if name == dcp else {}))
             for name in names}
     out = {"devices": jax.device_count(), "expert_parallel": tp > 1}
     for name, llm in llms.items():
         pool = llm.engine.core.pool
         out[name] = {"weights": llm.quantization, "dtype": jax.numpy.dtype(llm.dtype).name,
                      "layers": llm.layer_loop, "attention": llm.setup.attention_backend,
-                     "kv_bytes_per_token_per_device": block_bytes_per_device(pool.layout, 1, pool.mesh_shape),
+                     "kv_bytes_per_token_per_device": pool.bytes_per_token,
                      "weight_bytes_per_device": param_bytes_per_device(llm.model, llm.mesh)}
     rng = np.random.default_rng(0)
     for b in args.batch:
@@ -173,7 +179,8 @@ def measure_mesh(args) -> dict:
         tps = {name: b / statistics.median(s) for name, s in steps.items()}
         out[f"batch{b}"] = {**{f"{n}_tokens_per_s": round(v, 2) for n, v in tps.items()},
                             "deepseek_over_dense": round(tps["deepseek"] / tps["dense"], 3),
-                            "round_ratios": [round(d / s, 3) for s, d in zip(steps["deepseek"], steps["dense"])]}
+                            "round_ratios": [round(d / s, 3) for s, d in zip(steps["deepseek"], steps["dense"])],
+                            **({"dcp_over_dcp1": round(tps[dcp] / tps["deepseek"], 3)} if dcp in tps else {})}
     return out
 
 

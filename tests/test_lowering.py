@@ -194,7 +194,8 @@ def step_program(case: Case, setup, cfg, source, backend: str | None = None, max
     use_layer_loop(model, mesh, setup.layer_loop)
     abstract = AbstractMesh((case.dp, case.pp, case.tp), ("dp", "pp", "tp"), axis_types=(AxisType.Auto,) * 3,
                             abstract_device=abstract_device)
-    pool_shape = PoolShape(model.kv_layout(), NUM_BLOCKS, BLOCK_SIZE, (case.dp, case.pp, case.tp))
+    pool_shape = PoolShape(model.kv_layout(), NUM_BLOCKS, BLOCK_SIZE, (case.dp, case.pp, case.tp),
+                           dcp=setup.decode_context_parallel_size)
     pool = jax.ShapeDtypeStruct(pool_shape.shape, pool_shape.layout.dtype,
                                 sharding=NamedSharding(abstract, POOL_SPEC))
     lora = None

@@ -207,7 +207,7 @@ KEY_CHUNK = 32          # keys per softmax partial in `chunked_attention` (a fix
 
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float,
                       window=None, dot_dtype=None, softcap: float | None = None,
-                      sinks: jax.Array | None = None) -> jax.Array:
+                      sinks: jax.Array | None = None, k_pos: jax.Array | None = None, with_lse: bool = False):
     """Rows attending their own context, batch-invariantly: q[R, T, Hq, hd] at positions q_pos[R, T] over
     k/v[R, Hkv, S, hd] (the row's positions 0..S-1, heads-first as `gather_rows` gives them) -> [R, T, Hq * hd].
 
@@ -219,20 +219,26 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     step's longest row gives S, nor on the other rows or queries of the step (XLA:CPU's batched dots of a
     fixed per-batch shape sum alike whatever the batch: tests/test_paged_attention.py).
     `dot_dtype`: both dots' operands rounded to it, float32 accumulation. v[R, Hkv, S, hv] may be narrower than
-    k (MLA). `sinks[Hq]`: the combine starts from the sink, a partial with m = sink, l = 1 and o = 0."""
+    k (MLA). `sinks[Hq]`: the combine starts from the sink, a partial with m = sink, l = 1 and o = 0.
+    `k_pos[S]`: the keys' positions when they are not 0..S-1 (a decode context parallel rank's share of the
+    context: tp_jax/models/dcp.py); `with_lse`: also return each query's log-sum-exp of its scores [R, T, Hq]
+    (-inf: no key seen), for a combine with other partial outputs."""
     cast = (lambda x: x) if dot_dtype is None else (lambda x: x.astype(dot_dtype))
     r, t, hq, hd = q.shape
     hkv, s = k.shape[1], k.shape[2]
     if s % KEY_CHUNK:                                         # pad to whole chunks: the padding is never seen
         pad = ((0, 0), (0, 0), (0, KEY_CHUNK - s % KEY_CHUNK), (0, 0))
+        if k_pos is not None:
+            k_pos = jnp.pad(k_pos, (0, KEY_CHUNK - s % KEY_CHUNK), constant_values=FULL_WINDOW)
         k, v, s = jnp.pad(k, pad), jnp.pad(v, pad), s + KEY_CHUNK - s % KEY_CHUNK
+    k_pos = jnp.arange(s) if k_pos is None else k_pos
     c, g, hv = s // KEY_CHUNK, hq // hkv, v.shape[-1]
     kc, vc = k.reshape(r, hkv, c, KEY_CHUNK, hd), v.reshape(r, hkv, c, KEY_CHUNK, hv)
     qg = q.reshape(r, t, hkv, g, hd)
     qc = jnp.broadcast_to(qg.transpose(0, 2, 3, 1, 4)[:, :, None], (r, hkv, c, g, t, hd))   # c a batch dim of
     scores = soft_cap(jnp.einsum("rkcgtd,rkcsd->rkcgts", cast(qc), cast(kc),         # both dots: each chunk's
                                  preferred_element_type=jnp.float32) * scale, softcap)  # dot has one fixed shape
-    k_pos = jnp.arange(s).reshape(c, KEY_CHUNK)
+    k_pos = k_pos.reshape(c, KEY_CHUNK)
     allowed = k_pos[None, :, None, :] <= q_pos[:, None, :, None]                     # [R, C, T, chunk]
     if window is not None:
         allowed &= k_pos[None, :, None, :] > q_pos[:, None, :, None] - window
@@ -252,10 +258,14 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     first = (jnp.full(stats, -jnp.inf), jnp.zeros(stats), jnp.zeros(o.shape[:2] + o.shape[3:]))
     if sinks is not None:
         first = (jnp.broadcast_to(_head_sinks(sinks, hkv)[None, :, :, None], stats), jnp.ones(stats), first[2])
-    (_, l, o), _ = jax.lax.scan(combine, first, (jnp.moveaxis(m, 2, 0), jnp.moveaxis(row_sum(p), 2, 0),
-                                                 jnp.moveaxis(o, 2, 0)))
+    (top, l, o), _ = jax.lax.scan(combine, first, (jnp.moveaxis(m, 2, 0), jnp.moveaxis(row_sum(p), 2, 0),
+                                                   jnp.moveaxis(o, 2, 0)))
     out = o / jnp.where(l > 0, l, 1)[..., None]                                     # [R, Hkv, G, T, hv]
-    return out.transpose(0, 3, 1, 2, 4).reshape(r, t, hq * hv).astype(q.dtype)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(r, t, hq * hv).astype(q.dtype)
+    if not with_lse:
+        return out
+    lse = jnp.where(l > 0, top + jnp.log(jnp.where(l > 0, l, 1)), -jnp.inf)         # [R, Hkv, G, T]
+    return out, lse.transpose(0, 3, 1, 2).reshape(r, t, hq)
 
 
 def paged_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, positions: jax.Array,
@@ -411,6 +421,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array | None, positions: jax.Array
     """
     if v_dim is not None:
         v = k[..., :v_dim]
+    if cache is not None and cache.dcp > 1:       # latent attention attends a split pool through models/dcp.py
+        raise ValueError("decode_context_parallel_size > 1 splits only a latent (MLA) cache; use "
+                         "decode_context_parallel_size=1 for this model")
     if cache is None:
         return attention(q, k, v, positions, positions, scale, window, softcap=softcap, sinks=sinks), None
     impl = PAGED_BACKENDS[cache.backend]

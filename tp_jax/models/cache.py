@@ -140,18 +140,20 @@ class PagedBatch:
         return self.replace(slots=jnp.where(valid, self.slots, -1))
 
 
-@_pytree(("k", "v", "batch"), ("backend", "stored"))
+@_pytree(("k", "v", "batch"), ("backend", "stored", "dcp"))
 class KVCache:
     """The paged pool of a step. `stored`: None (k and v hold the activations' dtype), or the `KVQuant` whose bits
-    the uint8 pools hold (`kv_cache_dtype`)."""
+    the uint8 pools hold (`kv_cache_dtype`). `dcp`: decode context parallel ranks a latent cache's tokens are
+    interleaved over (tp_jax/models/dcp.py; each rank's block holds block_size / dcp of a block's positions)."""
     k: jax.Array
     v: jax.Array
     batch: PagedBatch
     backend: str = "reference"
     stored: KVQuant | None = None
+    dcp: int = 1
 
 
-@_pytree(("k", "v", "layer", "batch", "scales"), ("backend", "stored"))
+@_pytree(("k", "v", "layer", "batch", "scales"), ("backend", "stored", "dcp"))
 class LayerCache:
     """One layer's view; `scales`: f32[2], the layer's (k, v) per-tensor scales of a float8 cache with checkpoint
     scales (else None)."""
@@ -162,6 +164,7 @@ class LayerCache:
     backend: str = "reference"
     stored: KVQuant | None = None
     scales: jax.Array | None = None
+    dcp: int = 1
 
 
 def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache | None = None,
@@ -177,6 +180,7 @@ def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache 
     pools = None if cache is None else (cache.k, cache.v)
     backend = "reference" if cache is None else cache.backend
     stored = None if cache is None else cache.stored
+    dcp = 1 if cache is None else cache.dcp
     tables = None if stored is None or stored.k_scales is None else np.stack([stored.k_scales, stored.v_scales], 1)
 
     def stage(h, rows, pools, valid):
@@ -193,7 +197,7 @@ def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache 
             if pools is None:
                 return layer(h, pos, None, *more)[0], None
             scales = None if tables is None else jnp.asarray(tables, jnp.float32)[first + index]     # [2]
-            h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend, stored, scales), *more)
+            h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend, stored, scales, dcp), *more)
             return h, (lc.k, lc.v)
 
         return stack(layer_step, h, pools)

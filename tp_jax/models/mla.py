@@ -20,6 +20,8 @@ Two equal ways to attend (the test checks them against each other and against tr
 Under tp the heads split and the latent is computed and cached on every tp rank (vLLM's choice): the pool
 has one latent "head" per tp rank (`kv_layout`: kv_heads = tp, head_dim = r + rope, no value pool).
 A device holds, per token and layer, r + rope values instead of standard attention's 2 * H_kv_tp * head_dim.
+With decode context parallelism (`decode_context_parallel_size` d) each tp rank holds 1/d of a sequence's tokens
+instead: the paged step attends through tp_jax/models/dcp.py.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tp_jax.models.attention import attend
+from tp_jax.models.dcp import attend_dcp
 from tp_jax.models.rope import RopeConfig, inv_freq, rotate_together, yarn_softmax_scale
 from tp_jax.parallel.invariant import row_tiled
 from tp_jax.parallel.layers import ColumnParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear
@@ -143,7 +146,10 @@ class MLAttention(nnx.Module):
                            q_nope).astype(dtype)
         q = jnp.concatenate([q_lat, q_pe], axis=-1)                                # [B, T, H_tp, r + rope]
         latent = jnp.concatenate([c[:, :, None, :], k_pe], axis=-1)                # [B, T, 1, r + rope]
-        o_lat, cache = attend(q, latent, None, positions, cache, scale=self.scale, v_dim=self.m.kv_lora_rank)
+        if cache.dcp > 1:                                                          # the latent split over tp ranks
+            o_lat, cache = attend_dcp(q, latent, positions, cache, scale=self.scale, v_dim=self.m.kv_lora_rank)
+        else:
+            o_lat, cache = attend(q, latent, None, positions, cache, scale=self.scale, v_dim=self.m.kv_lora_rank)
         o_lat = o_lat.reshape(*o_lat.shape[:2], self.local_heads, self.m.kv_lora_rank)
         out = _per_token(lambda z: jnp.einsum("mhr,rhv->mhv", z, w_uv, preferred_element_type=jnp.float32),
                          o_lat).astype(dtype)

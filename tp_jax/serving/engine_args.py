@@ -153,6 +153,10 @@ class EngineArgs:
     pipeline_parallel_size: int = arg(1, "stages the layers are split into", count(" (stages the layers are "
                                       "split into)"), aliases=("--pp",))
     data_parallel_size: int = arg(1, "model replicas", count(" (model replicas)"), aliases=("--dp",))
+    decode_context_parallel_size: int = arg(1, "latent-attention (MLA) models: tp ranks a sequence's KV cache is "
+                                            "interleaved over (each holds 1/dcp of its tokens); divides tp and "
+                                            "block_size", count(" (tp ranks a sequence's latent KV cache is split "
+                                                                "over)"), aliases=("--dcp",))
     dtype: str = arg("auto", "activations and accumulation: auto (float32 on CPU, bfloat16 on accelerators; "
                      "the linear methods choose their dots), or exactly float32 / bfloat16 / float16",
                      one_of(DTYPES, "a dtype"), choices=DTYPES)
@@ -225,6 +229,12 @@ class EngineArgs:
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"LLM: max_num_batched_tokens={self.max_num_batched_tokens} is smaller than one block "
                              f"(block_size={self.block_size}); raise it to at least {self.block_size}")
+        dcp, tp = self.decode_context_parallel_size, self.tensor_parallel_size
+        if tp % dcp or self.block_size % dcp:
+            what = f"tensor_parallel_size={tp}" if tp % dcp else f"block_size={self.block_size}"
+            raise ValueError(f"LLM: decode_context_parallel_size={dcp} must divide {what} (its ranks are tp ranks, "
+                             f"each holding block_size / dcp tokens of a block); choose one of "
+                             f"{[d for d in range(1, tp + 1) if tp % d == 0 and self.block_size % d == 0]}")
         if self.quantization is None:
             object.__setattr__(self, "quantization", "none")
         if self.model is not None:

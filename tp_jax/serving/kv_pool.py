@@ -50,12 +50,19 @@ class PoolShape:
     mesh_shape: tuple[int, int, int]   # (dp, pp, tp)
     window: int | None = None    # every layer (the draft's too) sees the latest `window` keys: older blocks are freed
     window_blocks: int = 0       # then: the most blocks a sequence holds at once (`blocks_per_sequence`)
+    dcp: int = 1                 # decode context parallel ranks: each device's block holds block_size / dcp tokens
+
+    @property
+    def device_block_size(self) -> int:
+        """Tokens of a block one device holds: block_size, or its share under decode context parallelism
+        (tp_jax/models/dcp.py: a block's positions interleaved over the dcp ranks)."""
+        return self.block_size // self.dcp
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The k pool's global shape."""
         dp = self.mesh_shape[0]
-        return (self.layout.num_layers, self.layout.kv_heads, dp * self.num_blocks, self.block_size,
+        return (self.layout.num_layers, self.layout.kv_heads, dp * self.num_blocks, self.device_block_size,
                 self.layout.row_dims[0])
 
     @property
@@ -70,13 +77,14 @@ class PoolShape:
 
     @property
     def bytes_per_device(self) -> int:
-        return self.num_blocks * block_bytes_per_device(self.layout, self.block_size, self.mesh_shape)
+        return self.num_blocks * block_bytes_per_device(self.layout, self.block_size, self.mesh_shape, self.dcp)
 
     @property
     def bytes_per_token(self) -> int:
-        """K + V bytes one token takes on one device (its stage's layers, its share of the kv heads)."""
+        """K + V bytes one token takes on one device (its stage's layers, its share of the kv heads; under decode
+        context parallelism a block's bytes per device over its block_size tokens: divided by dcp)."""
         _, pp, tp = self.mesh_shape
-        return self.layout.bytes_per_token(pp, tp)
+        return self.layout.bytes_per_token(pp, tp) // self.dcp
 
     def sequences(self, max_model_len: int) -> int:
         """How many sequences of `max_model_len` tokens the pool holds at once, over every dp replica (under a
@@ -89,9 +97,11 @@ class PoolShape:
             f"; {self.sequences(max_model_len)} sequences of max_model_len={max_model_len} fit"
         window = "" if self.window is None else (f"; sliding window {self.window}: a sequence holds the blocks of "
                                                  f"its latest {self.window} tokens and the step's")
+        dcp = "" if self.dcp == 1 else (f"; decode context parallel over {self.dcp} tp ranks: each holds "
+                                        f"{self.device_block_size} of a block's {self.block_size} tokens")
         return (f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens per replica, "
                 f"{self.bytes_per_device / 2**20:.1f} MiB per device ({np.dtype(self.layout.dtype).name}, "
-                f"{self.bytes_per_token} bytes per token per device{fit}){window}")
+                f"{self.bytes_per_token} bytes per token per device{fit}){window}{dcp}")
 
 
 def sliding_window(layout: KVLayout, draft_layout: KVLayout | None) -> int | None:
@@ -107,10 +117,10 @@ def blocks_per_sequence(max_model_len: int, block_size: int, window: int | None,
     return full if window is None else min(full, math.ceil((window - 1 + max_num_batched_tokens) / block_size) + 1)
 
 
-def block_bytes_per_device(layout: KVLayout, block_size: int, mesh_shape: tuple[int, int, int]) -> int:
-    """K + V bytes of one block on one device (its layers and kv heads)."""
+def block_bytes_per_device(layout: KVLayout, block_size: int, mesh_shape: tuple[int, int, int], dcp: int = 1) -> int:
+    """K + V bytes of one block on one device (its layers and kv heads; its block_size / dcp tokens)."""
     _, pp, tp = mesh_shape
-    return block_size * layout.bytes_per_token(pp, tp)
+    return block_size // dcp * layout.bytes_per_token(pp, tp)
 
 
 def default_budget_bytes(mesh: Mesh, gpu_memory_utilization: float) -> int:
@@ -165,7 +175,8 @@ def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None
     block_size, max_model_len, max_num_seqs = setup.block_size, setup.max_model_len, setup.max_num_seqs
     kv_cache_memory_bytes, gpu_memory_utilization = setup.kv_cache_memory_bytes, setup.gpu_memory_utilization
     mesh_shape = (mesh.shape[DP], mesh.shape[PP], mesh.shape[TP])
-    per_block = sum(block_bytes_per_device(x, block_size, mesh_shape) for x in (layout, draft_layout) if x)
+    dcp = check_dcp(layout, draft_layout, setup.decode_context_parallel_size, mesh_shape[2], block_size)
+    per_block = sum(block_bytes_per_device(x, block_size, mesh_shape, dcp) for x in (layout, draft_layout) if x)
     window = sliding_window(layout, draft_layout)
     per_seq = blocks_per_sequence(max_model_len, block_size, window, setup.max_num_batched_tokens)
     if num_gpu_blocks is not None:
@@ -190,7 +201,28 @@ def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None
                          f"from {source}), fewer than one sequence of max_model_len={max_model_len}{held}; raise "
                          f"num_gpu_blocks to >= {per_seq} (kv_cache_memory_bytes >= {per_seq * per_block}) or "
                          f"lower max_model_len to <= {num * block_size}")
-    return PoolShape(layout, num, block_size, mesh_shape, window, per_seq if window is not None else 0)
+    return PoolShape(layout, num, block_size, mesh_shape, window, per_seq if window is not None else 0, dcp)
+
+
+def check_dcp(layout: KVLayout, draft_layout: KVLayout | None, dcp: int, tp: int, block_size: int) -> int:
+    """`decode_context_parallel_size`, or a ValueError naming the fix: only a latent (MLA) cache (one latent per tp
+    rank, no value pool) is split, over ranks of the tp group, each holding whole shares of a block."""
+    if dcp == 1:
+        return 1
+    if layout.value_dim != 0:
+        raise ValueError(f"decode_context_parallel_size={dcp} splits a latent-attention (MLA: DeepSeek-V2/V3) cache; "
+                         f"this model caches keys and values per head (its tp shards already split them): use "
+                         f"decode_context_parallel_size=1")
+    if draft_layout is not None:
+        raise ValueError(f"decode_context_parallel_size={dcp} with a draft model is not supported: use "
+                         f"decode_context_parallel_size=1, or an ngram speculative_config")
+    if tp % dcp:
+        raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp} (its ranks are "
+                         f"tp ranks): choose one of {[d for d in range(1, tp + 1) if tp % d == 0]}")
+    if block_size % dcp:
+        raise ValueError(f"decode_context_parallel_size={dcp} must divide block_size={block_size} (each rank holds "
+                         f"block_size / dcp tokens of a block): use block_size={block_size * dcp}")
+    return dcp
 
 
 def stored_format(layout: KVLayout) -> KVQuant | None:

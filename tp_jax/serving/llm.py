@@ -128,7 +128,8 @@ class LLM:
         self.kv_scales = checkpoint_kv_scales(checkpoint, self.setup.kv_cache_dtype)    # fp8: the checkpoint's
         self.config = engine_model_config(checkpoint.config, self.setup)
         draft = self._open_draft(self.setup.speculative_config)         # a bad draft fails before the load
-        if args.num_gpu_blocks is not None or args.kv_cache_memory_bytes is not None:     # a pool too small: fail now
+        if args.num_gpu_blocks is not None or args.kv_cache_memory_bytes is not None or \
+                self.setup.decode_context_parallel_size > 1:          # a pool too small, or not splittable: fail now
             self._plan_pool(draft)
         # load
         self.model = load_from_source(self.config, checkpoint.source, self.mesh, self.dtype, args.progress,

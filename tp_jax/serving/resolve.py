@@ -202,6 +202,14 @@ RULES: dict[str, list[Rule]] = {
              "k_scale / v_scale)"),
         Rule("otherwise", lambda f: True, "auto", "the activations' dtype: a quantized cache only when named"),
     ],
+    "decode_context_parallel_size": [
+        Rule("decode_context_parallel_size is not 1", lambda f: f.args.decode_context_parallel_size != 1,
+             lambda f: f.args.decode_context_parallel_size, "named by the user"),
+        Rule("otherwise", lambda f: True, 1, "a latent cache replicated on every tp rank: splitting it divides its "
+             "bytes per token per device by dcp but adds two collectives a layer (q's all-gather, the partials' "
+             "all-to-all) and changes the softmax's summation order (logprobs within 2e-5 of dcp 1, not bit-equal: "
+             "tests/test_dcp.py), so only when named"),
+    ],
     "attention_backend": [
         _asked("attention_backend"),
         Rule("a GPU or a TPU", lambda f: f.platform.backend in ("gpu", "tpu"), "pallas", "the ragged paged kernel "

@@ -56,10 +56,10 @@ def case(groups: int, dtype, seed: int = 0, lengths=LENGTHS):
 VARIANTS = {"plain": {}, "window8": {"window": 8}, "softcap": {"softcap": 5.0}, "sinks_window": {"window": 8, "sinks": True}}
 
 
-CASES = [("triton", 4, v, t) for v in VARIANTS for t in ("float32", "bfloat16")] + [
-    ("triton", 1, "plain", "float32"), ("triton", 6, "sinks_window", "float32"),
-    ("mosaic", 4, "plain", "float32"), ("mosaic", 4, "window8", "bfloat16"), ("mosaic", 6, "sinks_window", "float32"),
-    ("mosaic", 1, "softcap", "float32")]
+# decode-only launches (the ragged cases below run every variant in both forms)
+CASES = [("triton", 4, "plain", "float32"), ("triton", 4, "softcap", "bfloat16"),
+         ("triton", 6, "sinks_window", "float32"), ("mosaic", 4, "window8", "bfloat16"),
+         ("mosaic", 6, "sinks_window", "float32"), ("mosaic", 1, "softcap", "float32")]
 
 
 @pytest.mark.parametrize("kernel,groups,variant,dtype", CASES)

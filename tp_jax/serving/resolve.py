@@ -202,6 +202,14 @@ RULES: dict[str, list[Rule]] = {
              "k_scale / v_scale)"),
         Rule("otherwise", lambda f: True, "auto", "the activations' dtype: a quantized cache only when named"),
     ],
+    "kv_cache_groups": [
+        _asked("kv_cache_groups"),
+        Rule("a speculative draft model", lambda f: getattr(f.speculative_config, "method", None) == "draft_model",
+             "off", "the draft model writes the same tokens through the target's one block table per sequence"),
+        Rule("otherwise", lambda f: True, "on", "a model mixing sliding and full layers holds a block table per group "
+             "of layers of one kind (vLLM's hybrid KV cache manager): a sliding group only its window's blocks; "
+             "a model with one kind of layer keeps one table, as before"),
+    ],
     "attention_backend": [
         _asked("attention_backend"),
         Rule("otherwise", lambda f: True, "reference", "each row attends its own blocks in fixed key chunks, in the "

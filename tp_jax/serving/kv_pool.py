@@ -90,10 +90,18 @@ class PoolShape:
     def sequences(self, max_model_len: int) -> int:
         """How many sequences of `max_model_len` tokens the pool holds at once, over every dp replica (under a
         sliding window, each holds only `blocks_per_sequence`)."""
-        per_seq = math.ceil(max_model_len / self.block_size) if self.window is None else self.window_blocks
+        return self.mesh_shape[0] * (self.num_blocks // self.sequence_blocks(max_model_len))
+
+    def sequence_blocks(self, max_model_len: int) -> int:
+        """The most blocks one sequence of `max_model_len` tokens holds at once (over its KV cache groups)."""
         if self.group_blocks:
-            per_seq = sum(self.group_blocks)
-        return self.mesh_shape[0] * (self.num_blocks // per_seq)
+            return sum(self.group_blocks)
+        return math.ceil(max_model_len / self.block_size) if self.window is None else self.window_blocks
+
+    def sequence_bytes(self, max_model_len: int) -> int:
+        """K + V bytes per device one sequence of `max_model_len` tokens holds at once (this pool's max_model_len)."""
+        return self.sequence_blocks(max_model_len) * block_bytes_per_device(self.layout, self.block_size,
+                                                                            self.mesh_shape)
 
     def describe(self, max_model_len: int | None = None) -> str:
         fit = "" if max_model_len is None else \

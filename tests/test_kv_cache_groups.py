@@ -5,7 +5,8 @@ by transformers, window 8 and blocks of 4 tokens, prompts several windows long:
 
 * tokens and logprobs equal today's layout (kv_cache_groups="off": every layer holds every block) bit for bit in
   float32, and tokens equal transformers' greedy ones, with chunked prefill (8-token steps) and a prefix-cache hit
-  (a third request sharing a 24-token prefix), at tp 1 (each model), tp 2 and pp 2 x tp 2 (Gemma 3);
+  (a third request sharing a 24-token prefix), at tp 1, tp 2 and pp 2 x tp 2 (Gemma 3), tp 1 (gpt-oss); Gemma 2 at
+  tp 2 with an int8 KV cache and the bf16 backend (split-K decode): equal to today's layout's;
 * every block is free at the end, and a sequence holds fewer blocks than today's;
 * a pool too small for full contexts in every layer, refused today, runs a long prompt with transformers' tokens;
 * the groups' layout: Gemma 3's 4 layers are 4 groups of one slot, 3 under pp 2 (its stages hold s, f | s, s).
@@ -16,6 +17,7 @@ import os
 import numpy as np
 import pytest
 
+from tests.flagship_models import _randomize_extras
 from tests.tiny_models import randomize
 from tp_jax.models.cache import KVGroups
 from tp_jax.serving.llm import LLM
@@ -31,7 +33,7 @@ MODELS = {   # name: (transformers config class, overrides)
     "gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=8, architectures=["Gemma3ForCausalLM"],
                                         layer_types=["sliding_attention", "full_attention", "sliding_attention",
                                                      "sliding_attention"])),
-    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.3,
                                      layer_types=["sliding_attention", "full_attention"], architectures=[
                                          "GptOssForCausalLM"])),
 }
@@ -54,7 +56,8 @@ def hybrid(tmp_path_factory):
     for name, (cls, over) in MODELS.items():
         torch.manual_seed(sum(map(ord, name)))
         cfg = getattr(transformers, cls)(**{**BASE, **over})
-        model = randomize(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval())
+        model = _randomize_extras(randomize(transformers.AutoModelForCausalLM.from_config(
+            cfg, attn_implementation="eager").eval()))             # gpt-oss: nonzero sinks, the SwiGLU clamp acting
         path = os.path.join(root, name)
         model.save_pretrained(path, safe_serialization=True)
 
@@ -91,19 +94,21 @@ def run(llm: LLM):
     return got, held[0], outs[2].num_cached_tokens
 
 
-CASES = [("gemma2", {}), ("gpt_oss", {}), ("gemma3", {}), ("gemma3", dict(tensor_parallel_size=2)),
+CASES = [("gemma2", dict(tensor_parallel_size=2, kv_cache_dtype="int8", attention_backend="bf16")), ("gpt_oss", {}),
+         ("gemma3", {}), ("gemma3", dict(tensor_parallel_size=2)),
          ("gemma3", dict(tensor_parallel_size=2, pipeline_parallel_size=2))]
 
 
-@pytest.mark.parametrize("name,mesh", CASES, ids=["gemma2-tp1", "gpt_oss-tp1", "gemma3-tp1", "gemma3-tp2",
-                                                  "gemma3-pp2tp2"])
+@pytest.mark.parametrize("name,mesh", CASES, ids=["gemma2-tp2-int8-bf16", "gpt_oss-tp1", "gemma3-tp1",
+                                                  "gemma3-tp2", "gemma3-pp2tp2"])
 def test_groups_change_nothing_but_the_blocks_held(hybrid, name, mesh):
     path, greedy, _ = hybrid[0][name]
     llm = LLM(path, **SMALL, **mesh)
     pool = llm.engine.core.pool
     assert pool.layout.groups is not None and "KV cache groups" in pool.describe(96)
     got, held, cached = run(llm)
-    assert [tokens for tokens, _ in got] == greedy
+    if "kv_cache_dtype" not in mesh:             # int8 keys, bf16 dots: today's numbers, not transformers'
+        assert [tokens for tokens, _ in got] == greedy
     assert cached >= 24 - BLOCK                                    # the shared prefix came from the cache
     today = LLM(path, **SMALL, **mesh, kv_cache_groups="off")
     assert today.engine.core.pool.layout.groups is None
@@ -138,3 +143,34 @@ def test_the_groups_of_each_layout():
     g = KVGroups.of((s, f) * 12)                                # gpt-oss: 2 groups of 12 slots
     assert (g.slots, g.windows) == (12, (f, s))
     assert KVGroups.of((s,) * 4) is None and KVGroups.of((f,) * 4) is None
+
+
+def test_prefix_hits_need_every_group():
+    """A hit of n blocks: a full group's blocks 0 .. n - 1, a sliding group's within its window of n * block_size;
+    blocks outside a sliding group's window stay NULL_BLOCK and are never referenced."""
+    from tp_jax.serving.block_manager import NULL_BLOCK, BlockManager
+    from tp_jax.serving.request import Request
+    bm = BlockManager(64, BLOCK, windows=(None, WINDOW))
+    first = Request("a", 30, list(range(3, 33)), PARAMS, 4, (0, 0, 0), 0.0)
+    assert bm.allocate(first, 30, bm.computed_blocks(first))
+    first.num_computed_tokens = 30
+    bm.register_full_blocks(first)
+    bm.slide(first)                                   # sliding group: blocks 0 .. 4 out of reach of position 30
+    assert bm.group_tables[1]["a"][:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in bm.group_tables[0]["a"]
+    bm.free(first)
+    second = Request("b", 26, list(range(3, 29)), PARAMS, 4, (0, 0, 0), 0.0)
+    hits = bm.computed_blocks(second)                 # 6 whole blocks before its last token; the window's are cached
+    assert [len(h) for h in hits] == [6, 6] and hits[1][:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in hits[1][4:]
+    assert bm.allocate(second, 26, hits)
+    assert bm.num_used == 7 + 3                       # 7 full-group blocks, the sliding group's 2 hits and a new one
+    bm.free(second)
+    assert bm.num_free == 64
+
+
+def test_a_draft_model_turns_groups_off():
+    from tp_jax.serving.kv_pool import grouped_layout
+    from tp_jax.models.cache import KVLayout
+    layout = KVLayout(4, 2, 8, np.float32, layer_windows=(WINDOW, None, WINDOW, WINDOW))
+    assert grouped_layout(layout, "on", 1).groups.count == 4 and grouped_layout(layout, "off", 1).groups is None
+    with pytest.raises(ValueError, match="kv_cache_groups='on' with a speculative draft model.*'off'"):
+        grouped_layout(layout, "on", 1, draft_layout=layout)

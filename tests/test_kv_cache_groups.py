@@ -1,7 +1,7 @@
 """KV cache groups (tp_jax/models/cache.py KVGroups, block_manager.py): a model mixing sliding and full layers gives
 each group of layers of one kind its own block table, a sliding group keeping only its window's blocks. Tiny
 Gemma 2 (sliding, full alternating), Gemma 3 (sliding, full, sliding, sliding) and gpt-oss (sliding, full) written
-by transformers, window 8 and blocks of 4 tokens, prompts several windows long:
+by transformers, window 8 and blocks of 8 tokens, prompts several windows long:
 
 * tokens and logprobs equal today's layout (kv_cache_groups="off": every layer holds every block) bit for bit in
   float32, and tokens equal transformers' greedy ones, with chunked prefill (8-token steps) and a prefix-cache hit
@@ -23,7 +23,7 @@ from tp_jax.models.cache import KVGroups
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
 
-WINDOW, BLOCK = 8, 4
+WINDOW, BLOCK = 8, 8
 BASE = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, sliding_window=WINDOW, bos_token_id=1,
             eos_token_id=2, tie_word_embeddings=False)
@@ -118,16 +118,16 @@ def test_groups_change_nothing_but_the_blocks_held(hybrid, name, mesh):
 
 
 def test_a_pool_too_small_for_full_contexts_in_every_layer_runs_a_long_prompt(hybrid):
-    """Gemma 3: 4 groups of one layer slot, so a block is a quarter of today's; 60 blocks hold the 80 tokens of
-    the full group and the sliding groups' windows (35 blocks); the same bytes hold 15 blocks of today's layout (four
-    layers' keys each), 60 tokens."""
+    """Gemma 3: 4 groups of one layer slot, so a block is a quarter of today's; 30 blocks hold the 80 tokens of
+    the full group and the sliding groups' windows (19 blocks); the same bytes hold 7 blocks of today's layout (four
+    layers' keys each), 56 tokens."""
     (path, _, greedy), long = hybrid[0]["gemma3"], hybrid[1]
-    small = dict(SMALL, max_model_len=80, kv_cache_memory_bytes=60 * BLOCK * 2 * 2 * 8 * 4)   # 60 one-slot blocks
+    small = dict(SMALL, max_model_len=80, kv_cache_memory_bytes=30 * BLOCK * 2 * 2 * 8 * 4)   # 30 one-slot blocks
     llm = LLM(path, **small)
-    assert llm.engine.core.pool.num_blocks == 60
+    assert llm.engine.core.pool.num_blocks == 30
     out = llm.generate([long], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == greedy and llm.engine.core.kv_usage()[0] == 0
-    with pytest.raises(ValueError, match=r"holds 60 tokens per replica .* fewer than one sequence of "
+    with pytest.raises(ValueError, match=r"holds 56 tokens per replica .* fewer than one sequence of "
                                          r"max_model_len=80"):
         LLM(path, **small, kv_cache_groups="off")
 
@@ -150,7 +150,7 @@ def test_prefix_hits_need_every_group():
     blocks outside a sliding group's window stay NULL_BLOCK and are never referenced."""
     from tp_jax.serving.block_manager import NULL_BLOCK, BlockManager
     from tp_jax.serving.request import Request
-    bm = BlockManager(64, BLOCK, windows=(None, WINDOW))
+    bm = BlockManager(64, 4, windows=(None, WINDOW))
     first = Request("a", 30, list(range(3, 33)), PARAMS, 4, (0, 0, 0), 0.0)
     assert bm.allocate(first, 30, bm.computed_blocks(first))
     first.num_computed_tokens = 30

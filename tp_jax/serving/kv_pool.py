@@ -110,11 +110,14 @@ class PoolShape:
                                                  f"its latest {self.window} tokens and the step's")
         groups = self.layout.groups
         if groups is not None:
-            kinds = ", ".join(f"{'full' if w is None else f'sliding {w}'}: {n} blocks"
-                              for w, n in zip(groups.windows, self.group_blocks))
-            window = (f"; {groups.count} KV cache groups of {groups.slots} layer slots (a block holds one group's "
-                      f"slots: {self.bytes_per_token} bytes per token per device), a sequence of max_model_len "
-                      f"holding {kinds}")
+            kinds = {}
+            for w, n in zip(groups.windows, self.group_blocks):
+                kinds.setdefault(w, [0, n])[0] += 1
+            held = ", ".join(f"{count} {'full' if w is None else f'sliding-{w}'} group{'s' * (count > 1)}: {n} "
+                             f"blocks{' each' * (count > 1)}" for w, (count, n) in kinds.items())
+            window = (f"; {groups.count} KV cache groups of {groups.slots} layer slot{'s' * (groups.slots > 1)} "
+                      f"(a block holds one group's slots); a sequence of max_model_len holds at most {held} "
+                      f"({sum(self.group_blocks)} in all)")
         return (f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens per replica, "
                 f"{self.bytes_per_device / 2**20:.1f} MiB per device ({np.dtype(self.layout.dtype).name}, "
                 f"{self.bytes_per_token} bytes per token per device{fit}){window}")

@@ -168,8 +168,16 @@ def test_prefix_hits_need_every_group():
 
 
 def test_a_draft_model_turns_groups_off():
-    from tp_jax.serving.kv_pool import grouped_layout
+    """`auto` is off with a draft model (it writes through the target's one table), on otherwise; `on` with one is
+    refused naming the fix."""
     from tp_jax.models.cache import KVLayout
+    from tp_jax.serving.engine_args import EngineArgs
+    from tp_jax.serving.kv_pool import grouped_layout
+    from tp_jax.serving.resolve import CheckpointFacts, Platform, resolve
+    chosen = [resolve(EngineArgs(model="x", speculative_config=spec), Platform("cpu"), CheckpointFacts("safetensors"),
+                      128).kv_cache_groups for spec in (None, {"model": "draft", "num_speculative_tokens": 2},
+                                                        {"method": "ngram", "num_speculative_tokens": 2})]
+    assert chosen == ["on", "off", "on"]
     layout = KVLayout(4, 2, 8, np.float32, layer_windows=(WINDOW, None, WINDOW, WINDOW))
     assert grouped_layout(layout, "on", 1).groups.count == 4 and grouped_layout(layout, "off", 1).groups is None
     with pytest.raises(ValueError, match="kv_cache_groups='on' with a speculative draft model.*'off'"):

@@ -8,7 +8,8 @@ by transformers, window 8 and blocks of 8 tokens, prompts several windows long:
   (a third request sharing a 24-token prefix), at tp 1, tp 2 and pp 2 x tp 2 (Gemma 3), tp 1 (gpt-oss); Gemma 2 at
   tp 2 with an int8 KV cache and the bf16 backend (split-K decode): equal to today's layout's;
 * every block is free at the end, and a sequence holds fewer blocks than today's;
-* a pool too small for full contexts in every layer, refused today, runs a long prompt with transformers' tokens;
+* a pool too small for full contexts in every layer, refused today, runs a long prompt with transformers' tokens,
+  and two requests that preempt each other;
 * the groups' layout: Gemma 3's 4 layers are 4 groups of one slot, 3 under pp 2 (its stages hold s, f | s, s).
 """
 
@@ -118,16 +119,19 @@ def test_groups_change_nothing_but_the_blocks_held(hybrid, name, mesh):
 
 
 def test_a_pool_too_small_for_full_contexts_in_every_layer_runs_a_long_prompt(hybrid):
-    """Gemma 3: 4 groups of one layer slot, so a block is a quarter of today's; 30 blocks hold the 80 tokens of
-    the full group and the sliding groups' windows (19 blocks); the same bytes hold 7 blocks of today's layout (four
-    layers' keys each), 56 tokens."""
-    (path, _, greedy), long = hybrid[0]["gemma3"], hybrid[1]
-    small = dict(SMALL, max_model_len=80, kv_cache_memory_bytes=30 * BLOCK * 2 * 2 * 8 * 4)   # 30 one-slot blocks
+    """Gemma 3: 4 groups of one layer slot, so a block is a quarter of today's; 20 blocks hold the 80 tokens of
+    the full group and the sliding groups' windows (19 blocks), where the same bytes hold 5 blocks of today's layout
+    (four layers' keys each), 40 tokens. Two requests then preempt each other (admission and preemption count the
+    blocks of every group) and still give transformers' tokens."""
+    (path, greedy, long_greedy), long = hybrid[0]["gemma3"], hybrid[1]
+    small = dict(SMALL, max_model_len=80, kv_cache_memory_bytes=20 * BLOCK * 2 * 2 * 8 * 4)   # 20 one-slot blocks
     llm = LLM(path, **small)
-    assert llm.engine.core.pool.num_blocks == 30
+    assert llm.engine.core.pool.num_blocks == 20
     out = llm.generate([long], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-    assert out.outputs[0].token_ids == greedy and llm.engine.core.kv_usage()[0] == 0
-    with pytest.raises(ValueError, match=r"holds 56 tokens per replica .* fewer than one sequence of "
+    assert out.outputs[0].token_ids == long_greedy and llm.engine.core.kv_usage()[0] == 0
+    got, _, _ = run(llm)
+    assert [tokens for tokens, _ in got] == greedy and llm.engine.core.stats["preemptions"] > 0
+    with pytest.raises(ValueError, match=r"holds 40 tokens per replica .* fewer than one sequence of "
                                          r"max_model_len=80"):
         LLM(path, **small, kv_cache_groups="off")
 

@@ -35,9 +35,9 @@ MODELS = {   # name: (transformers config class, overrides)
     "gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=8, architectures=["Gemma3ForCausalLM"],
                                         layer_types=["sliding_attention", "full_attention", "sliding_attention",
                                                      "sliding_attention"])),
-    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.3,
-                                     layer_types=["sliding_attention", "full_attention"], architectures=[
-                                         "GptOssForCausalLM"])),
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                                     initializer_range=0.3, layer_types=["sliding_attention", "full_attention"],
+                                     architectures=["GptOssForCausalLM"])),
 }
 RNG = np.random.default_rng(5)
 SHARED = RNG.integers(3, 300, 24).tolist()
@@ -82,8 +82,7 @@ def run(llm: LLM):
     def counting():
         outs = step()
         bm = core.scheduler.blocks[0]
-        held[0] = max([held[0]] + [sum(b >= 0 for t in tables for b in t[rid]) for tables in [bm.group_tables]
-                                   for rid in bm.tables])
+        held[0] = max([held[0]] + [sum(b >= 0 for t in bm.group_tables for b in t[rid]) for rid in bm.tables])
         return outs
     core.step = counting
     try:
@@ -96,8 +95,8 @@ def run(llm: LLM):
     return got, held[0], outs[2].num_cached_tokens
 
 
-CASES = [("gemma2", dict(tensor_parallel_size=2, kv_cache_dtype="int8", attention_backend="bf16")), ("gpt_oss", dict(attention_backend="pallas")),
-         ("gemma3", {}), ("gemma3", dict(tensor_parallel_size=2)),
+CASES = [("gemma2", dict(tensor_parallel_size=2, kv_cache_dtype="int8", attention_backend="bf16")),
+         ("gpt_oss", dict(attention_backend="pallas")), ("gemma3", {}), ("gemma3", dict(tensor_parallel_size=2)),
          ("gemma3", dict(tensor_parallel_size=2, pipeline_parallel_size=2))]
 
 

@@ -413,7 +413,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array | None, positions: jax.Array
            window=None, softcap: float | None = None, sinks: jax.Array | None = None, v_dim: int | None = None):
     """Attention of q[B, T, Hq, hd] over k/v[B, T, Hkv, hd] (cache None) or over the paged pool.
 
-    Returns (out[B, T, Hq * hv], cache), the cache with this step's k and v written. `window`: None, an int,
+    Returns (out[B, T, Hq * hv], cache), the cache with this step's k and v written (at the layer's pool slot
+    `cache.layer`; with KV cache groups through its group's slots and tables, so every backend reads one table
+    per row). `window`: None, an int,
     or a traced int32 (a layer's own window in a stack whose layers differ; `FULL_WINDOW`: none).
     `softcap`: Gemma 2's attention logit soft-capping (`soft_cap`); `sinks[Hq]`: gpt-oss's per-head sink logits;
     `v_dim`: v is None and the values are k's first v_dim channels (MLA's latent: only k is cached). Each is
@@ -427,7 +429,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array | None, positions: jax.Array
     if cache is None:
         return attention(q, k, v, positions, positions, scale, window, softcap=softcap, sinks=sinks), None
     impl = PAGED_BACKENDS[cache.backend]
-    batch = cache.batch
+    batch = cache.batch if cache.group is None else cache.batch.kv_group(cache.group)     # its group's tables
     k_pool, v_pool, outs = cache.k, cache.v, []
     extra = {name: value for name, value in (("softcap", softcap), ("sinks", sinks), ("v_dim", v_dim),
                                              ("stored", cache.stored), ("scales", cache.scales)) if value is not None}

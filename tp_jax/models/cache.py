@@ -12,7 +12,12 @@ them as a `KVCache` and needs to know nothing else:
               chunk_start[B, Rv]       the chunk's first position
               prefill_tables[B, P, Wp] block table of each prefill row
               prefill_index[B, P, T]   the flat tokens of each prefill row, in order (N: padding)
-    LayerCache  one layer's view inside the scan: the pool, the layer index, the batch
+    LayerCache  one layer's view inside the scan: the pool, the layer's pool slot, its KV cache group, the batch
+
+KV cache groups (`KVGroups`, a model mixing sliding and full layers): the pool holds S layer slots per pp stage and
+each stacked layer reads and writes slot `slot[layer]` with the block table of group `group[layer]`; the tables
+and `slots` then carry a group axis K after B (slots[B, K, N], decode_tables[B, K, D, Wd], ...), and a layer picks
+its group's (`PagedBatch.kv_group`) before attending. One kind of layer: no groups, no K axis.
 
 `run_layers(stack, h, positions, cache, microbatches)` runs every local layer of a `Stack`
 (each `layer(h, positions, layer_cache) -> (h, layer_cache)`) across the pipeline stages,
@@ -72,6 +77,51 @@ class KVScales:
 
 
 @dataclasses.dataclass(frozen=True)
+class KVGroups:
+    """KV cache groups (vLLM's hybrid KV cache manager on our stacked pool): the layers of each attention kind
+    (full; sliding window w) are split into groups of at most `slots` layers per pp stage; every group has its
+    own block table per sequence and the pool holds `slots` layer slots per stage, so a block id belongs to
+    one group at a time and block b of group g holds its layers' keys in pool slots 0 .. slots - 1.
+
+    slot[l], group[l]: stacked layer l's pool slot (within its stage) and group; windows[g]: group g's window
+    (None: full attention: every block kept)."""
+    slots: int
+    slot: tuple[int, ...]
+    group: tuple[int, ...]
+    windows: tuple[int | None, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.windows)
+
+    @classmethod
+    def of(cls, layer_windows: tuple[int | None, ...], pp: int = 1) -> KVGroups | None:
+        """The groups of stacked layers whose windows are `layer_windows` (None: full), stage by stage (each of the
+        pp stages holds len / pp consecutive layers). S = the fewest layers of a kind on a stage (vLLM's uniform
+        page size: the smallest kind's count); a kind with n layers on a stage fills ceil(n / S) groups there,
+        the last one padded. None when every layer is of one kind (today's layout)."""
+        kinds = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))       # full first
+        if len(kinds) < 2:
+            return None
+        per = len(layer_windows) // pp
+        stages = [layer_windows[s * per:(s + 1) * per] for s in range(pp)]
+        counts = [[st.count(k) for k in kinds] for st in stages]
+        s_count = min(c for row in counts for c in row if c)
+        per_kind = [max(-(-row[i] // s_count) for row in counts) for i in range(len(kinds))]
+        first = [sum(per_kind[:i]) for i in range(len(kinds))]
+        slot, group = [], []
+        for st in stages:
+            seen = [0] * len(kinds)
+            for w in st:
+                i = kinds.index(w)
+                group.append(first[i] + seen[i] // s_count)
+                slot.append(seen[i] % s_count)
+                seen[i] += 1
+        windows = tuple(k for k, n in zip(kinds, per_kind) for _ in range(n))
+        return cls(s_count, tuple(slot), tuple(group), windows)
+
+
+@dataclasses.dataclass(frozen=True)
 class KVLayout:
     """The pool a model needs: [num_layers, kv_heads, blocks, block_size, head_dim] for k, and v_head_dim for v.
 
@@ -82,6 +132,9 @@ class KVLayout:
     window: every layer attends only the latest `window` keys (a query at p sees keys p - window + 1 .. p): the
     engine frees a sequence's blocks that no query still to come can see. None: some layer sees every key.
     quant: how a quantized cache stores them (`KVQuant`; dtype is then its element dtype); None: in `dtype`.
+    layer_windows: each stacked slot's window (None: full attention), given when the layers differ.
+    groups: the KV cache groups the pool is laid out in (`KVGroups`, set by the engine's pool plan from
+    layer_windows); None: one table per sequence, a pool slot per stacked layer.
     """
     num_layers: int
     kv_heads: int
@@ -90,6 +143,12 @@ class KVLayout:
     v_head_dim: int | None = None
     window: int | None = None
     quant: KVQuant | None = None
+    layer_windows: tuple[int | None, ...] | None = None
+    groups: KVGroups | None = None
+
+    def pool_layers(self, pp: int = 1) -> int:
+        """The pool's layer axis (global): a slot per stacked layer, or the groups' slots on each stage."""
+        return self.num_layers if self.groups is None else pp * self.groups.slots
 
     @property
     def value_dim(self) -> int:
@@ -103,7 +162,8 @@ class KVLayout:
 
     def bytes_per_token(self, pp: int = 1, tp: int = 1) -> int:
         """K + V bytes one token takes on one device (its pp stage's layers, its tp share of the heads)."""
-        return (self.num_layers // pp) * (self.kv_heads // tp) * sum(self.row_dims) * np.dtype(self.dtype).itemsize
+        return (self.pool_layers(pp) // pp) * (self.kv_heads // tp) * sum(self.row_dims) * \
+            np.dtype(self.dtype).itemsize
 
 
 def _pytree(data: tuple[str, ...], meta: tuple[str, ...] = ()):
@@ -133,6 +193,14 @@ class PagedBatch:
         """Micro-batch row b's arrays (no leading B axis): what a paged backend receives."""
         return PagedBatch(*(getattr(self, k)[b] for k in self.FIELDS))
 
+    def kv_group(self, group) -> PagedBatch:
+        """KV cache group `group`'s slots and tables (a traced int; arrays with a group axis after B, or after
+        nothing in a `row`): the batch of one table per sequence that a backend reads."""
+        k_axis = self.chunk_row.ndim - 1                       # 0 in a row, 1 with the micro-batch axis
+        pick = lambda x: jax.lax.dynamic_index_in_dim(x, group, k_axis, keepdims=False)     # noqa: E731
+        return self.replace(slots=pick(self.slots), decode_tables=pick(self.decode_tables),
+                            chunk_tables=pick(self.chunk_tables), prefill_tables=pick(self.prefill_tables))
+
     def masked(self, valid) -> PagedBatch:
         """No writes when `valid` is False (a pipeline stage's idle step)."""
         if valid is True:
@@ -140,23 +208,26 @@ class PagedBatch:
         return self.replace(slots=jnp.where(valid, self.slots, -1))
 
 
-@_pytree(("k", "v", "batch"), ("backend", "stored", "dcp"))
+@_pytree(("k", "v", "batch"), ("backend", "stored", "dcp", "groups"))
 class KVCache:
     """The paged pool of a step. `stored`: None (k and v hold the activations' dtype), or the `KVQuant` whose bits
     the uint8 pools hold (`kv_cache_dtype`). `dcp`: decode context parallel ranks a latent cache's tokens are
-    interleaved over (tp_jax/models/dcp.py; each rank's block holds block_size / dcp of a block's positions)."""
+    interleaved over (tp_jax/models/dcp.py; each rank's block holds block_size / dcp of a block's positions).
+    `groups`: the pool's KV cache groups (`KVGroups`; None: none)."""
     k: jax.Array
     v: jax.Array
     batch: PagedBatch
     backend: str = "reference"
     stored: KVQuant | None = None
     dcp: int = 1
+    groups: KVGroups | None = None
 
 
-@_pytree(("k", "v", "layer", "batch", "scales"), ("backend", "stored", "dcp"))
+@_pytree(("k", "v", "layer", "batch", "scales", "group"), ("backend", "stored", "dcp"))
 class LayerCache:
-    """One layer's view; `scales`: f32[2], the layer's (k, v) per-tensor scales of a float8 cache with checkpoint
-    scales (else None)."""
+    """One layer's view; `layer`: its pool slot (its stage-local stacked index, or its `KVGroups` slot);
+    `scales`: f32[2], the layer's (k, v) per-tensor scales of a float8 cache with checkpoint scales (else None);
+    `group`: its KV cache group (a traced int: `batch` then has a group axis), else None; `dcp`: as `KVCache`'s."""
     k: jax.Array
     v: jax.Array
     layer: jax.Array
@@ -164,6 +235,7 @@ class LayerCache:
     backend: str = "reference"
     stored: KVQuant | None = None
     scales: jax.Array | None = None
+    group: jax.Array | None = None
     dcp: int = 1
 
 
@@ -182,12 +254,13 @@ def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache 
     stored = None if cache is None else cache.stored
     dcp = 1 if cache is None else cache.dcp
     tables = None if stored is None or stored.k_scales is None else np.stack([stored.k_scales, stored.v_scales], 1)
+    groups = None if cache is None else cache.groups
 
     def stage(h, rows, pools, valid):
         pos, batch, slots = rows
         batch = None if batch is None else batch.masked(valid)
         pp = collectives.axis_size(PP)
-        first = 0 if (slot_args is None and tables is None) or pp == 1 else \
+        first = 0 if (slot_args is None and tables is None and groups is None) or pp == 1 else \
             collectives.axis_index(PP) * (stack.num_layers // pp)
 
         def layer_step(layer, index, h, pools):
@@ -197,7 +270,12 @@ def run_layers(stack: Stack, h: jax.Array, positions: jax.Array, cache: KVCache 
             if pools is None:
                 return layer(h, pos, None, *more)[0], None
             scales = None if tables is None else jnp.asarray(tables, jnp.float32)[first + index]     # [2]
-            h, lc = layer(h, pos, LayerCache(pools[0], pools[1], index, batch, backend, stored, scales, dcp), *more)
+            slot, group = index, None
+            if groups is not None:                                  # the layer's pool slot and block tables
+                slot = jnp.asarray(np.asarray(groups.slot, np.int32))[first + index]
+                group = jnp.asarray(np.asarray(groups.group, np.int32))[first + index]
+            h, lc = layer(h, pos, LayerCache(pools[0], pools[1], slot, batch, backend, stored, scales, group, dcp),
+                          *more)
             return h, (lc.k, lc.v)
 
         return stack(layer_step, h, pools)

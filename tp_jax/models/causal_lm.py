@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tp_jax.models.attention import FULL_WINDOW
 from tp_jax.models.cache import KVCache, KVLayout, run_layers
 from tp_jax.models.decoder import DecoderConfig, DecoderParts
 from tp_jax.parallel.heads import plan_heads
@@ -160,7 +161,17 @@ class CausalLM(nnx.Module):
     def kv_layout(self) -> KVLayout:
         plan = plan_heads(self.config.num_heads, self.config.num_kv_heads, self.tp_size)
         return KVLayout(len(self.layer_map), plan.padded_kv_heads, self.config.head_dim, self.dtype,
-                        window=self.config.kv_window())
+                        window=self.config.kv_window(), layer_windows=self.layer_windows())
+
+    def layer_windows(self) -> tuple[int | None, ...] | None:
+        """Each stacked slot's window (None: full attention; a pp identity slot the narrowest, holding nothing
+        read), or None when every layer is alike (`DecoderConfig.layer_windows`)."""
+        windows = self.config.layer_windows() if isinstance(self.config, DecoderConfig) else None
+        if windows is None:
+            return None
+        windows = tuple(None if w == FULL_WINDOW else w for w in windows)
+        narrowest = min((w for w in windows if w is not None), default=None)
+        return tuple(windows[i] if i >= 0 else narrowest for i in self.layer_map)
 
     def hidden_states(self, ids, positions, cache: KVCache | None = None, *, microbatches: int = 1, lora=None):
         return self.model(ids, positions, cache, microbatches, lora)

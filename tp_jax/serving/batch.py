@@ -89,6 +89,7 @@ class StepShape:
     prefill_rows: int      # P
     prefill_width: int     # T (0 when P = 0)
     prefill_blocks: int    # Wp (0 when P = 0)
+    kv_groups: int = 1     # K, the pool's KV cache groups: slots and tables carry a K axis when K > 1
 
     @property
     def sample_rows(self) -> int:
@@ -100,7 +101,7 @@ class StepBatch:
     shape: StepShape
     ids: np.ndarray              # i32[G, N]
     positions: np.ndarray        # i32[G, N]
-    slots: np.ndarray            # i32[G, N]
+    slots: np.ndarray            # i32[G, N]          (with K KV cache groups: [G, K, N], and each table's [G, K, ...])
     decode_tables: np.ndarray    # i32[G, D, Wd]
     chunk_tables: np.ndarray     # i32[G, Rv, Cb]
     chunk_row: np.ndarray        # i32[G, Rv]: the decode row of each chunk (D: padding)
@@ -126,19 +127,21 @@ class StepBatch:
     def empty(cls, s: StepShape) -> StepBatch:
         """An all-padding step of shape `s` (writes nothing, samples nothing): for warm-up."""
         g, n, d, p, rv = s.groups, s.tokens, s.decode_rows, s.prefill_rows, s.decode_chunks
-        z = lambda *shape: np.zeros(shape, np.int32)
-        return cls(s, z(g, n), z(g, n), np.full((g, n), -1, np.int32), z(g, d, s.decode_blocks),
-                   z(g, rv, s.chunk_blocks), np.full((g, rv), d, np.int32), z(g, rv),
-                   z(g, p, s.prefill_blocks), np.full((g, p, s.prefill_width), n, np.int32), z(g, d + p),
+        k = () if s.kv_groups == 1 else (s.kv_groups,)
+        z = lambda *shape: np.zeros(shape, np.int32)                                # noqa: E731
+        return cls(s, z(g, n), z(g, n), np.full((g, *k, n), -1, np.int32), z(g, *k, d, s.decode_blocks),
+                   z(g, *k, rv, s.chunk_blocks), np.full((g, rv), d, np.int32), z(g, rv),
+                   z(g, *k, p, s.prefill_blocks), np.full((g, p, s.prefill_width), n, np.int32), z(g, d + p),
                    [[None] * (d + p) for _ in range(g)])
 
 
 def packed_layout(s: StepShape) -> list[tuple[str, tuple[int, ...]]]:
     """(name, per-group shape) of each array in `StepBatch.packed`, in order."""
     n, d, p, rv = s.tokens, s.decode_rows, s.prefill_rows, s.decode_chunks
-    return [("ids", (n,)), ("positions", (n,)), ("slots", (n,)), ("decode_tables", (d, s.decode_blocks)),
-            ("chunk_tables", (rv, s.chunk_blocks)), ("chunk_row", (rv,)), ("chunk_start", (rv,)),
-            ("prefill_tables", (p, s.prefill_blocks)), ("prefill_index", (p, s.prefill_width)),
+    k = () if s.kv_groups == 1 else (s.kv_groups,)
+    return [("ids", (n,)), ("positions", (n,)), ("slots", (*k, n)), ("decode_tables", (*k, d, s.decode_blocks)),
+            ("chunk_tables", (*k, rv, s.chunk_blocks)), ("chunk_row", (rv,)), ("chunk_start", (rv,)),
+            ("prefill_tables", (*k, p, s.prefill_blocks)), ("prefill_index", (p, s.prefill_width)),
             ("logits_index", (d + p,))]
 
 
@@ -180,9 +183,10 @@ def _blocks(rows: list[ScheduledRow], block_size: int) -> int:
     return bucket(max((-(-(r.start + r.num_tokens) // block_size) for r in rows), default=0), MIN_BLOCKS)
 
 
-def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_size: int,
-                microbatches: int, chunk: int = PREFILL_CHUNK, split_k: int = 0) -> StepBatch:
-    """`tables[replica][request_id]` is each scheduled request's block table; `chunk` the most queries
+def build_batch(out: SchedulerOutput, tables: list[dict[str, list]], block_size: int,
+                microbatches: int, chunk: int = PREFILL_CHUNK, split_k: int = 0, kv_groups: int = 1) -> StepBatch:
+    """`tables[replica][request_id]` is each scheduled request's block table (with `kv_groups` K > 1 KV cache
+    groups, its K tables: BlockManager.step_tables; slots and tables then get a K axis); `chunk` the most queries
     of a prefill attention row (a power of two; scripts/bench_attention.py compares them); `split_k`:
     the positions of a decode chunk (> 0: also the decode rows' split-K chunks, for the backends that read
     them, tp_jax/models/attention.py SPLIT_K_BACKENDS), on every step with decode rows; 0: Rv = Cb = 0."""
@@ -202,15 +206,16 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
         decode_chunks=decode_chunk_count([[r.start + j + 1 for r, j in q] for q in queries], block_size, split_k)
         if split_k else 0,
         chunk_blocks=chunk_blocks(block_size, split_k) if split_k else 0,
-        prefill_rows=p, prefill_width=t, prefill_blocks=_blocks(prefills, block_size))
-    g_n, n, d, p = s.groups, s.tokens, s.decode_rows, s.prefill_rows
+        prefill_rows=p, prefill_width=t, prefill_blocks=_blocks(prefills, block_size), kv_groups=kv_groups)
+    g_n, n, d, p, kv = s.groups, s.tokens, s.decode_rows, s.prefill_rows, kv_groups
     ids, pos = np.zeros((g_n, n), np.int32), np.zeros((g_n, n), np.int32)
-    slots = np.full((g_n, n), -1, np.int32)
-    dec_tables = np.zeros((g_n, d, s.decode_blocks), np.int32)
-    chunk_tables = np.zeros((g_n, s.decode_chunks, s.chunk_blocks), np.int32)
+    slots = np.full((g_n, kv, n), -1, np.int32)                    # a K axis while filling, dropped for K = 1
+    dec_tables = np.zeros((g_n, kv, d, s.decode_blocks), np.int32)
+    chunk_tables = np.zeros((g_n, kv, s.decode_chunks, s.chunk_blocks), np.int32)
     chunk_row = np.full((g_n, s.decode_chunks), d, np.int32)
     chunk_start = np.zeros((g_n, s.decode_chunks), np.int32)
-    pre_tables = np.zeros((g_n, p, s.prefill_blocks), np.int32)
+    pre_tables = np.zeros((g_n, kv, p, s.prefill_blocks), np.int32)
+    per_group = (lambda t: [t]) if kv == 1 else (lambda t: t)          # noqa: E731
     pre_index = np.full((g_n, p, s.prefill_width), n, np.int32)
     logits_index = np.zeros((g_n, d + p), np.int32)
     lora_slots = np.full((g_n, n), -1, np.int32)
@@ -218,28 +223,30 @@ def build_batch(out: SchedulerOutput, tables: list[dict[str, list[int]]], block_
     for g, (replica, (dec, pre)) in enumerate(groups):
         mine: list[ScheduledRow | None] = [None] * (d + p)
         for i, (row, j) in enumerate(queries[g]):              # a speculative row: one query row per token
-            _fill(row, tables[replica][row.request.request_id], block_size, i, ids[g], pos[g], slots[g],
-                  dec_tables[g, i], j)
+            for k, table in enumerate(per_group(tables[replica][row.request.request_id])):
+                _fill(row, table, block_size, i, ids[g], pos[g], slots[g, k], dec_tables[g, k, i], j)
             logits_index[g, i] = i
             lora_slots[g, i] = row.request.lora_slot
             mine[i] = row
-        if split_k:
-            split_decode_rows([r.start + j + 1 for r, j in queries[g]], dec_tables[g], block_size, chunk_tables[g],
-                              chunk_row[g], chunk_start[g])
+        for k in range(kv if split_k else 0):
+            split_decode_rows([r.start + j + 1 for r, j in queries[g]], dec_tables[g, k], block_size,
+                              chunk_tables[g, k], chunk_row[g], chunk_start[g])
         off, j = len(queries[g]), 0
         for row in pre:
             first = j
-            _fill(row, tables[replica][row.request.request_id], block_size, off, ids[g], pos[g], slots[g],
-                  pre_tables[g, first])
+            for k, table in enumerate(per_group(tables[replica][row.request.request_id])):
+                _fill(row, table, block_size, off, ids[g], pos[g], slots[g, k], pre_tables[g, k, first])
             for c in range(0, row.num_tokens, t):                               # the row's chunks
                 pre_index[g, j, :min(t, row.num_tokens - c)] = np.arange(off + c, off + min(c + t, row.num_tokens))
-                pre_tables[g, j] = pre_tables[g, first]
+                pre_tables[g, :, j] = pre_tables[g, :, first]
                 j += 1
             lora_slots[g, off:off + row.num_tokens] = row.request.lora_slot
             off += row.num_tokens
             logits_index[g, d + j - 1] = off - 1
             mine[d + j - 1] = row
         sample_rows.append(mine)
+    if kv == 1:
+        slots, dec_tables, chunk_tables, pre_tables = (x[:, 0] for x in (slots, dec_tables, chunk_tables, pre_tables))
     return StepBatch(s, ids, pos, slots, dec_tables, chunk_tables, chunk_row, chunk_start, pre_tables, pre_index,
                      logits_index, sample_rows, lora_slots)
 

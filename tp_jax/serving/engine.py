@@ -97,8 +97,9 @@ class EngineCore:
             self.lora_slots = LoRASlots(config.max_loras, config.max_cpu_loras or config.max_loras)
             self.lora_loaded: list[int | None] = [None] * config.max_loras      # the adapter each slot holds
         self.model = model
-        self.scheduler = Scheduler(SchedulerConfig.of(config, self.pool.num_blocks, dp, self.pool.window),
-                                   self.lora_slots)
+        self.scheduler = Scheduler(SchedulerConfig.of(config, self.pool.num_blocks, dp, self.pool.window,
+                                                      self.pool.group_windows), self.lora_slots)
+        self.kv_groups = 1 if self.pool.group_windows is None else len(self.pool.group_windows)
         replicated = NamedSharding(mesh, jax.P())
         self.penalties = Penalties(config.max_num_seqs * dp, self.vocab_size, lambda x: to_global(x, replicated))
         self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend,
@@ -208,12 +209,13 @@ class EngineCore:
         self._release_preempted(out.preempted)
         if out.empty:
             return []
-        tables = [b.tables for b in self.scheduler.blocks]
+        tables = [b.step_tables() for b in self.scheduler.blocks]
         if self.lora is not None:
             self._load_adapters()
         if self.drafter is not None:
             self._propose_with_draft_model(out, tables)
-        batch = build_batch(out, tables, self.config.block_size, self.microbatches, split_k=self.split_k)
+        batch = build_batch(out, tables, self.config.block_size, self.microbatches, split_k=self.split_k,
+                            kv_groups=self.kv_groups)
         if self.drafter is not None:
             self.drafter.follow(batch)                   # the draft's pool gets the step's tokens too
         plan = self._plan(batch)
@@ -458,10 +460,10 @@ class EngineCore:
         cfg, groups = self.config, len(self.scheduler.blocks) * self.microbatches
         rows = sorted({fine_bucket(n) for n in range(1, cfg.max_num_seqs + 1)})
         cb = chunk_blocks(cfg.block_size, self.split_k) if self.split_k else 0   # split-K: a chunk a row (short rows)
-        shapes = [StepShape(groups, d, d, MIN_BLOCKS, d if cb else 0, cb, 0, 0, 0) for d in rows]
+        shapes = [StepShape(groups, d, d, MIN_BLOCKS, d if cb else 0, cb, 0, 0, 0, self.kv_groups) for d in rows]
         chunk = cfg.max_num_batched_tokens                       # one prompt chunk, laid out as build_batch does
         shapes.append(StepShape(groups, fine_bucket(chunk, MIN_TOKENS), 0, 0, 0, 0, *prefill_layout([[chunk]]),
-                                bucket(-(-chunk // cfg.block_size), MIN_BLOCKS)))
+                                bucket(-(-chunk // cfg.block_size), MIN_BLOCKS), self.kv_groups))
         return shapes
 
     def warmup(self, shapes=None) -> list[StepShape]:

@@ -23,6 +23,7 @@ import numpy as np
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")      # vLLM's names ("fp8" is e4m3), and int8
+KV_CACHE_GROUPS = ("auto", "on", "off")
 
 
 def attention_backends() -> tuple[str, ...]:
@@ -173,6 +174,11 @@ class EngineArgs:
                               "scale 1.0 as vLLM: a quarter of float32's bytes, half of bf16's), or int8 (a float16 "
                               "scale per token and head: 2 more bytes a row); read back into the activations' dtype",
                               one_of(KV_CACHE_DTYPES, "a KV cache dtype"), choices=KV_CACHE_DTYPES)
+    kv_cache_groups: str = arg("auto", "a model mixing sliding-window and full-attention layers: on (a block table "
+                               "per group of layers of one kind: a sliding layer holds only its window's blocks), "
+                               "off (every layer holds every token's block), or auto", one_of(KV_CACHE_GROUPS,
+                                                                                             "a KV cache groups mode"),
+                               choices=KV_CACHE_GROUPS)
     max_num_seqs: int = arg(256, "running sequences per dp replica", count(" (the most sequences generated "
                                                                            "together)"))
     max_num_batched_tokens: int = arg(512, "tokens per step per dp replica (the prefill chunk)",

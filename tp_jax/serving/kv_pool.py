@@ -2,6 +2,9 @@
 
     k, v: [L_pad, Hkv_pad, dp * num_blocks, block_size, hd]   spec P("pp", "tp", "dp", None, None)
 
+With KV cache groups (a model mixing sliding and full layers, `kv_cache_groups` on: tp_jax/models/cache.py
+KVGroups) the layer axis is pp * S, S layer slots per stage, and a block belongs to one group at a time; a
+sequence of max_model_len tokens then holds every block in a full group and its window's in a sliding one.
 Layers on pp (padded like the model's stacked params), kv heads on tp exactly as the head
 plan places them (`KVLayout` from the model), the block axis on dp (each replica owns
 `num_blocks` blocks; block ids are local to a replica). Head-major, so a block of one head
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tp_jax.models.cache import KVLayout, KVQuant, KVScales
+from tp_jax.models.cache import KVGroups, KVLayout, KVQuant, KVScales
 from tp_jax.parallel.mesh import DP, PP, TP
 
 POOL_SPEC = P(PP, TP, DP, None, None)
@@ -50,6 +53,7 @@ class PoolShape:
     mesh_shape: tuple[int, int, int]   # (dp, pp, tp)
     window: int | None = None    # every layer (the draft's too) sees the latest `window` keys: older blocks are freed
     window_blocks: int = 0       # then: the most blocks a sequence holds at once (`blocks_per_sequence`)
+    group_blocks: tuple[int, ...] = ()   # KV cache groups: the most blocks a sequence holds in each
     dcp: int = 1                 # decode context parallel ranks: each device's block holds block_size / dcp tokens
 
     @property
@@ -61,9 +65,14 @@ class PoolShape:
     @property
     def shape(self) -> tuple[int, ...]:
         """The k pool's global shape."""
-        dp = self.mesh_shape[0]
-        return (self.layout.num_layers, self.layout.kv_heads, dp * self.num_blocks, self.device_block_size,
+        dp, pp, _ = self.mesh_shape
+        return (self.layout.pool_layers(pp), self.layout.kv_heads, dp * self.num_blocks, self.device_block_size,
                 self.layout.row_dims[0])
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...] | None:
+        """The KV cache groups' windows (None: full attention), or None: one table per sequence."""
+        return None if self.layout.groups is None else self.layout.groups.windows
 
     @property
     def v_shape(self) -> tuple[int, ...]:
@@ -89,8 +98,18 @@ class PoolShape:
     def sequences(self, max_model_len: int) -> int:
         """How many sequences of `max_model_len` tokens the pool holds at once, over every dp replica (under a
         sliding window, each holds only `blocks_per_sequence`)."""
-        per_seq = math.ceil(max_model_len / self.block_size) if self.window is None else self.window_blocks
-        return self.mesh_shape[0] * (self.num_blocks // per_seq)
+        return self.mesh_shape[0] * (self.num_blocks // self.sequence_blocks(max_model_len))
+
+    def sequence_blocks(self, max_model_len: int) -> int:
+        """The most blocks one sequence of `max_model_len` tokens holds at once (over its KV cache groups)."""
+        if self.group_blocks:
+            return sum(self.group_blocks)
+        return math.ceil(max_model_len / self.block_size) if self.window is None else self.window_blocks
+
+    def sequence_bytes(self, max_model_len: int) -> int:
+        """K + V bytes per device one sequence of `max_model_len` tokens holds at once (this pool's max_model_len)."""
+        return self.sequence_blocks(max_model_len) * block_bytes_per_device(self.layout, self.block_size,
+                                                                            self.mesh_shape, self.dcp)
 
     def describe(self, max_model_len: int | None = None) -> str:
         fit = "" if max_model_len is None else \
@@ -99,6 +118,16 @@ class PoolShape:
                                                  f"its latest {self.window} tokens and the step's")
         dcp = "" if self.dcp == 1 else (f"; decode context parallel over {self.dcp} tp ranks: each holds "
                                         f"{self.device_block_size} of a block's {self.block_size} tokens")
+        groups = self.layout.groups
+        if groups is not None:
+            kinds = {}
+            for w, n in zip(groups.windows, self.group_blocks):
+                kinds.setdefault(w, [0, n])[0] += 1
+            held = ", ".join(f"{count} {'full' if w is None else f'sliding-{w}'} group{'s' * (count > 1)}: {n} "
+                             f"blocks{' each' * (count > 1)}" for w, (count, n) in kinds.items())
+            window = (f"; {groups.count} KV cache groups of {groups.slots} layer slot{'s' * (groups.slots > 1)} "
+                      f"(a block holds one group's slots); a sequence of max_model_len holds at most {held} "
+                      f"({sum(self.group_blocks)} in all)")
         return (f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens per replica, "
                 f"{self.bytes_per_device / 2**20:.1f} MiB per device ({np.dtype(self.layout.dtype).name}, "
                 f"{self.bytes_per_token} bytes per token per device{fit}){window}{dcp}")
@@ -176,9 +205,13 @@ def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None
     kv_cache_memory_bytes, gpu_memory_utilization = setup.kv_cache_memory_bytes, setup.gpu_memory_utilization
     mesh_shape = (mesh.shape[DP], mesh.shape[PP], mesh.shape[TP])
     dcp = check_dcp(layout, draft_layout, setup.decode_context_parallel_size, mesh_shape[2], block_size)
+    layout = grouped_layout(layout, setup.kv_cache_groups, mesh.shape[PP], draft_layout)
     per_block = sum(block_bytes_per_device(x, block_size, mesh_shape, dcp) for x in (layout, draft_layout) if x)
     window = sliding_window(layout, draft_layout)
     per_seq = blocks_per_sequence(max_model_len, block_size, window, setup.max_num_batched_tokens)
+    group_blocks = () if layout.groups is None else tuple(
+        blocks_per_sequence(max_model_len, block_size, w, setup.max_num_batched_tokens) for w in layout.groups.windows)
+    per_seq = sum(group_blocks) or per_seq
     if num_gpu_blocks is not None:
         num, source = int(num_gpu_blocks), f"num_gpu_blocks={num_gpu_blocks}"
     else:
@@ -201,7 +234,20 @@ def plan_pool(layout: KVLayout, mesh: Mesh, setup, *, num_gpu_blocks: int | None
                          f"from {source}), fewer than one sequence of max_model_len={max_model_len}{held}; raise "
                          f"num_gpu_blocks to >= {per_seq} (kv_cache_memory_bytes >= {per_seq * per_block}) or "
                          f"lower max_model_len to <= {num * block_size}")
-    return PoolShape(layout, num, block_size, mesh_shape, window, per_seq if window is not None else 0, dcp)
+    return PoolShape(layout, num, block_size, mesh_shape, window, per_seq if window is not None else 0, group_blocks,
+                     dcp)
+
+
+def grouped_layout(layout: KVLayout, kv_cache_groups: str, pp: int, draft_layout: KVLayout | None = None) -> KVLayout:
+    """`layout` in KV cache groups (`KVGroups.of` its layers' windows, stage by stage) when its layers mix kinds and
+    `kv_cache_groups` (the resolved setting) is "on"; else as it is (one table per sequence)."""
+    if layout.layer_windows is None or kv_cache_groups != "on":
+        return layout
+    groups = KVGroups.of(layout.layer_windows, pp)
+    if groups is not None and draft_layout is not None:
+        raise ValueError("kv_cache_groups='on' with a speculative draft model: the draft writes through the target's "
+                         "one block table per sequence; set kv_cache_groups='off' (or 'auto')")
+    return dataclasses.replace(layout, groups=groups)
 
 
 def check_dcp(layout: KVLayout, draft_layout: KVLayout | None, dcp: int, tp: int, block_size: int) -> int:

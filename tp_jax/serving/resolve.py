@@ -210,6 +210,14 @@ RULES: dict[str, list[Rule]] = {
              "all-to-all) and changes the softmax's summation order (logprobs within 2e-5 of dcp 1, not bit-equal: "
              "tests/test_dcp.py), so only when named"),
     ],
+    "kv_cache_groups": [
+        _asked("kv_cache_groups"),
+        Rule("a speculative draft model", lambda f: getattr(f.speculative_config, "method", None) == "draft_model",
+             "off", "the draft model writes the same tokens through the target's one block table per sequence"),
+        Rule("otherwise", lambda f: True, "on", "a model mixing sliding and full layers holds a block table per group "
+             "of layers of one kind (vLLM's hybrid KV cache manager): a sliding group only its window's blocks; "
+             "a model with one kind of layer keeps one table, as before"),
+    ],
     "attention_backend": [
         _asked("attention_backend"),
         Rule("a GPU or a TPU", lambda f: f.platform.backend in ("gpu", "tpu"), "pallas", "the ragged paged kernel "

@@ -56,7 +56,7 @@ class ModelRunner:
             a = unpack(packed, shape)
             m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
             paged = PagedBatch(*(a[k] for k in PagedBatch.FIELDS))
-            cache = KVCache(k, v, paged, attention_backend, stored, pool.dcp)
+            cache = KVCache(k, v, paged, attention_backend, stored, pool.dcp, pool.layout.groups)
             step = {"lora": LoRAStep(*adapters, lora.parts())} if adapters else {}     # LoRA engines only
             h, cache = m.hidden_states(a["ids"], a["positions"], cache, microbatches=microbatches, **step)
             last = jnp.take_along_axis(h, a["logits_index"][..., None], axis=1)     # [M, R, D]

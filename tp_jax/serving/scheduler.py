@@ -33,11 +33,13 @@ class SchedulerConfig:
     num_replicas: int                 # dp: the mesh's
     enable_prefix_caching: bool
     sliding_window: int | None        # the pool's (PoolShape.window): blocks older than it are freed
+    kv_group_windows: tuple[int | None, ...] | None = None   # the pool's KV cache groups' windows (None: one group)
 
     @classmethod
-    def of(cls, setup, num_blocks: int, num_replicas: int, sliding_window: int | None = None) -> SchedulerConfig:
+    def of(cls, setup, num_blocks: int, num_replicas: int, sliding_window: int | None = None,
+           kv_group_windows: tuple[int | None, ...] | None = None) -> SchedulerConfig:
         return cls(setup.max_num_seqs, setup.max_num_batched_tokens, setup.block_size, num_blocks, num_replicas,
-                   setup.enable_prefix_caching, sliding_window)
+                   setup.enable_prefix_caching, sliding_window, kv_group_windows)
 
 
 @dataclasses.dataclass
@@ -84,8 +86,8 @@ class Scheduler:
         """`lora`: the LoRA slot table (tp_jax/serving/lora.py LoRASlots) when adapters are served: a request
         with an adapter is admitted only once its adapter holds a device slot."""
         self.cfg, self.lora = cfg, lora
-        self.blocks = [BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.sliding_window)
-                       for _ in range(cfg.num_replicas)]
+        self.blocks = [BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.sliding_window,
+                                    cfg.kv_group_windows) for _ in range(cfg.num_replicas)]
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[list[Request]] = [[] for _ in range(cfg.num_replicas)]
         self.num_preemptions = 0
@@ -129,7 +131,7 @@ class Scheduler:
             if req.lora is not None and slot is None:
                 break                                    # every adapter slot serves running requests
             r, hits = choice
-            computed = len(hits) * self.cfg.block_size
+            computed = len(hits[0]) * self.cfg.block_size
             count = min(req.num_tokens - computed, budget[r])
             if not self.blocks[r].allocate(req, computed + count, hits):
                 break                                    # first come, first served: nobody overtakes it
@@ -181,7 +183,7 @@ class Scheduler:
             if blocked[r] or budget[r] <= 0 or len(self.running[r]) >= self.cfg.max_num_seqs:
                 continue
             hits = self.blocks[r].computed_blocks(req)
-            rank = (len(hits), self.blocks[r].num_free, -len(self.running[r]))
+            rank = (len(hits[0]), self.blocks[r].num_free, -len(self.running[r]))
             if best is None or rank > best[0]:
                 best = (rank, r, hits)
         return None if best is None else best[1:]

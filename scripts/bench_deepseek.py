@@ -21,8 +21,8 @@ and the per-round ratios; per mesh and model: the KV bytes one token takes on on
 MLA caches kv_lora_rank + qk_rope values per token and layer on every tp rank), the weight bytes per device
 and what the resolve step chose. `--dcp d` (d > 1): on each mesh whose tp d divides, a third engine on the same
 DeepSeek checkpoint with decode_context_parallel_size=d ("deepseek_dcp{d}": its latent cache split over the tp
-ranks) joins the rounds, and `dcp_over_dcp1` is its median tokens/s over the plain DeepSeek's. `--keep DIR` keeps the checkpoints (e.g. for scripts/profile_step.py
---model DIR/deepseek --prompt-tokens 8).
+ranks) joins the rounds, and `dcp_over_dcp1` is its median tokens/s over the plain DeepSeek's. `--keep DIR` keeps
+the checkpoints (e.g. for scripts/profile_step.py --model DIR/deepseek --prompt-tokens 8).
 """
 
 import argparse

@@ -211,7 +211,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['tp']} | {r['batch']} | {r['context']} | {r['weights_bytes'] / 1e9:.2f} | "
                      f"{r['kv_bytes'] / 1e9:.3f} | {'yes' if r['fits_h100'] else 'no'} | {r['floor_tok_s']:,} | "
                      f"{r['kernel_over_floor']:.2f} | {r['kernel_tok_s']:,} | {r['reference_over_floor']:.2f} | "
-                     f"{r['reference_tok_s']:,} | {r['xla_kv_per_kv_byte']:.1f} | {r['xla_kv_per_kv_byte_pallas']:.1f} |")
+                     f"{r['reference_tok_s']:,} | {r['xla_kv_per_kv_byte']:.1f} | "
+                     f"{r['xla_kv_per_kv_byte_pallas']:.1f} |")
     return "\n".join(lines)
 
 

@@ -4,8 +4,9 @@ Tiny DeepSeek-V2-Lite-style (a full q_proj) and V3-style (q_lora_rank, YaRN, int
 (tests/flagship_models.py) run the same workload with decode_context_parallel_size = tp and = 1: chunked prefill,
 a prefix-cache hit, preemption (a pool too small for every row) and ngram speculative verify rows; prompt and
 sampled logprobs (float32) agree within 2e-5 and greedy tokens are equal, over tp 2, dp 2 x tp 2, pp 2 x tp 2 and
-tp 4 with dcp 2 (two groups), and with an int8 KV cache. The pool's bytes per token per device are divided by dcp; the lowered step program
-holds two more collectives per layer (q's all-gather, the partials' all-to-all); bad values are refused.
+tp 4 with dcp 2 (two groups), and with an int8 KV cache. The pool's bytes per token per device are divided by dcp;
+the lowered step program holds two more collectives per layer (q's all-gather, the partials' all-to-all); bad
+values are refused.
 """
 
 import functools
@@ -64,8 +65,9 @@ def reference(path):
                                                ("ds3", 1, 1, 4, 2)])
 def test_dcp_matches_dcp_1(checkpoints, name, dp, pp, tp, dcp):
     ref_logprobs, ref_tokens, ref_cached, _, ref_pool, _ = reference(checkpoints[name])
-    logprobs, tokens, cached, preempted, pool, drafts = run(checkpoints[name], tensor_parallel_size=tp, data_parallel_size=dp,
-                                                    pipeline_parallel_size=pp, decode_context_parallel_size=dcp)
+    logprobs, tokens, cached, preempted, pool, drafts = run(checkpoints[name], tensor_parallel_size=tp,
+                                                            data_parallel_size=dp, pipeline_parallel_size=pp,
+                                                            decode_context_parallel_size=dcp)
     assert tokens == ref_tokens
     assert np.abs(logprobs - ref_logprobs).max() <= TOL
     assert cached == ref_cached == 8                                   # SHARED's two blocks from the prefix cache
@@ -90,9 +92,9 @@ def test_an_int8_kv_cache_splits_alike(checkpoints):
 @pytest.mark.parametrize("dcp", [4, 2])
 def test_lowered_program_adds_two_collectives_per_layer(dcp, backend, platform):
     """DeepSeek-V3 at dp 2 x tp 4 with expert parallelism (tests/test_lowering_features.py's mla_ds3), lowered for
-    cuda and tpu on an abstract mesh of 8: the layer loop's body holds, beside dcp 1's three tp all-reduces and the expert
-    block's dp all-gather and reduce-scatter, one all-gather of q and one all-to-all of the partials, both over the dcp
-    groups (dcp consecutive devices: the tp groups at dcp 4, their halves at dcp 2); no other all-to-all."""
+    cuda and tpu on an abstract mesh of 8: the layer loop's body holds, beside dcp 1's three tp all-reduces and the
+    expert block's dp all-gather and reduce-scatter, one all-gather of q and one all-to-all of the partials, both over
+    the dcp groups (dcp consecutive devices: the tp groups at dcp 4, their halves at dcp 2); no other all-to-all."""
     from tests.flagship_models import hf_config
     from tests.hlo import count
     from tests.test_lowering import (Case, accelerator_setup, loop_bodies, reachable, replica_groups, step_program)

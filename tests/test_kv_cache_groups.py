@@ -6,8 +6,9 @@ by transformers, window 8 and blocks of 8 tokens, prompts several windows long:
 * tokens and logprobs equal today's layout (kv_cache_groups="off": every layer holds every block) bit for bit in
   float32, and tokens equal transformers' greedy ones, with chunked prefill (8-token steps) and a prefix-cache hit
   (a third request sharing a 24-token prefix), at tp 1 and pp 2 x tp 2 (Gemma 3), tp 1 with the Pallas backend
-  (gpt-oss; Pallas' interpreter on a CPU); Gemma 2 at tp 2 with an int8 KV cache and the bf16 backend (split-K
-  decode): equal to today's layout's (tests/test_gemma.py runs both Gemmas over ten meshes, groups on);
+  (gpt-oss, head_dim 16 as the kernel's Triton form takes; Pallas' interpreter on a CPU); Gemma 2 at tp 2 with an
+  int8 KV cache and the bf16 backend (split-K decode): equal to today's layout's (tests/test_gemma.py runs both
+  Gemmas over ten meshes, groups on);
 * every block is free at the end, and a sequence holds fewer blocks than today's;
 * a pool too small for full contexts in every layer, refused today, runs a long prompt with transformers' tokens,
   and two requests that preempt each other;
@@ -35,7 +36,7 @@ MODELS = {   # name: (transformers config class, overrides)
     "gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=8, architectures=["Gemma3ForCausalLM"],
                                         layer_types=["sliding_attention", "full_attention", "sliding_attention",
                                                      "sliding_attention"])),
-    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
                                      initializer_range=0.3, layer_types=["sliding_attention", "full_attention"],
                                      architectures=["GptOssForCausalLM"])),
 }

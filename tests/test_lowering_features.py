@@ -29,8 +29,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.hlo import count
-from tests.test_lowering import (PLATFORMS, TPU_DEVICE, Case, accelerator_problems, accelerator_setup, config_problems, loop_bodies,
-                                 main_args, reachable, replica_groups, sdy_axes, step_program)
+from tests.test_lowering import (PLATFORMS, TPU_DEVICE, Case, accelerator_problems, accelerator_setup, config_problems,
+                                 loop_bodies, main_args, reachable, replica_groups, sdy_axes, step_program)
 from tests.test_mxfp4 import gpt_oss_mxfp4  # noqa: F401  (a fixture: the tiny MXFP4 gpt-oss checkpoint)
 from tp_jax.serving.batch import MIN_BLOCKS, MIN_TOKENS, StepShape, fine_bucket, prefill_layout
 

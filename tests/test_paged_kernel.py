@@ -53,7 +53,8 @@ def case(groups: int, dtype, seed: int = 0, lengths=LENGTHS):
     return q, *pools, positions, jnp.asarray(tables), batch, sinks
 
 
-VARIANTS = {"plain": {}, "window8": {"window": 8}, "softcap": {"softcap": 5.0}, "sinks_window": {"window": 8, "sinks": True}}
+VARIANTS = {"plain": {}, "window8": {"window": 8}, "softcap": {"softcap": 5.0},
+            "sinks_window": {"window": 8, "sinks": True}}
 
 
 # decode-only launches (the ragged cases below run every variant in both forms)

@@ -77,7 +77,8 @@ def _attend_rows(q_parts, q_pos, lo, hi, start, steps: int, sinks, window, load,
     splits the keys; q_pos[M, 1] each query's position (-1: none); lo, hi: the row's first and last valid query
     position + 1 bound the loop; start: the position of the row's first key (a decode chunk's), `steps` the most
     steps its table holds, `key_limit` (a chunk's) the positions its table covers before the padding to whole steps;
-    `load(c)` gives step c's key parts [span, d_i] and values [span, hv] in float32; sinks[M] or None. Returns the output [M, hv] and the log-sum-exp [M] of each query's scores (-inf: none)."""
+    `load(c)` gives step c's key parts [span, d_i] and values [span, hv] in float32; sinks[M] or None. Returns the
+    output [M, hv] and the log-sum-exp [M] of each query's scores (-inf: none)."""
     m_rows = q_pos.shape[0]
 
     def step(c, carry):

@@ -109,6 +109,13 @@ def test_groups_change_nothing_but_the_blocks_held(hybrid, name, mesh):
     pool = llm.engine.core.pool
     assert pool.layout.groups is not None and "KV cache groups" in pool.describe(96)
     got, held, cached = run(llm)
+    from tp_jax.server.metrics import kv_groups                     # /metrics' blocks per group
+    windows = pool.layout.groups.windows
+    assert kv_groups(llm.engine.core) == [("full" if w is None else f"sliding-{w}", n, 0)
+                                          for w, n in zip(windows, pool.group_blocks)]
+    # a full group: max_model_len's 96 / 8 blocks; a sliding one: its window's 7 keys and an 8-token step, 15
+    # positions over at most 3 blocks of 8
+    assert {w: n for w, n in zip(windows, pool.group_blocks)} == {None: 12, WINDOW: 3}
     if "kv_cache_dtype" not in mesh:             # int8 keys, bf16 dots: today's numbers, not transformers'
         assert [tokens for tokens, _ in got] == greedy
     assert cached >= 24 - BLOCK                                    # the shared prefix came from the cache

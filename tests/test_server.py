@@ -40,8 +40,9 @@ def test_models_and_health(tiny_server, client):
 
 
 def test_metrics_and_the_start_up_log_account_for_the_kv_pool(tiny_server, tiny_path):
-    """/metrics gives KV bytes per token per device and how many max_model_len sequences fit, computed here from
-    config.json (float32, tp = 2: each device holds half the kv heads), as the start-up log line says."""
+    """/metrics gives KV bytes per token per device, how many max_model_len sequences fit and the blocks of each KV
+    cache group, computed here from config.json (float32, tp = 2: each device holds half the kv heads), as the
+    start-up log line says."""
     import json
     import math
     import os
@@ -54,6 +55,8 @@ def test_metrics_and_the_start_up_log_account_for_the_kv_pool(tiny_server, tiny_
     assert m["tp_jax:kv_cache_bytes_per_token"] == per_token
     assert m["tp_jax:kv_cache_max_model_len_sequences"] == sequences
     assert m[f'tp_jax:cache_config_info{{block_size="16",cache_dtype="auto",num_gpu_blocks="{blocks}"}}'] == 1
+    assert m['tp_jax:kv_cache_group_blocks{group="0",kind="full"}'] == math.ceil(256 / 16)     # one group: a Llama
+    assert m['tp_jax:kv_cache_group_blocks_used{group="0",kind="full"}'] == 0
     assert (f"KV cache (kv_cache_dtype auto): {blocks} blocks x 16 tokens = {blocks * 16} tokens per replica, "
             f"{blocks * 16 * per_token / 2**20:.1f} MiB per device (float32, {per_token} bytes per token per device; "
             f"{sequences} sequences of max_model_len=256 fit)") in tiny_server.log()

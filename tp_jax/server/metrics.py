@@ -7,6 +7,8 @@ scraped, so the numbers of one scrape belong to the same moment between two step
     tp_jax:kv_blocks_used / _total, tp_jax:kv_cache_usage_perc
     tp_jax:kv_cache_bytes_per_token            K + V bytes of one token on one device (the pool's layout)
     tp_jax:kv_cache_max_model_len_sequences    sequences of max_model_len tokens the pool holds at once
+    tp_jax:kv_cache_group_blocks{group, kind}  per KV cache group: the most blocks a max_model_len sequence holds
+    tp_jax:kv_cache_group_blocks_used{group, kind}   per KV cache group: blocks held by requests now
     tp_jax:cache_config_info{block_size, cache_dtype, num_gpu_blocks}   (vLLM's, value 1)
     tp_jax:prefix_cache_hit_rate, tp_jax:prefix_cache_queries_total / _hits_total (tokens)
     tp_jax:generation_tokens_total             tokens sampled by the engine (tokens out)
@@ -55,6 +57,7 @@ def engine_snapshot(engine) -> dict:
     return {"running": core.scheduler.num_running, "waiting": len(core.scheduler.waiting),
             "kv_blocks_used": used, "kv_blocks_total": total, "kv_usage": used / total,
             "kv_bytes_per_token": pool.bytes_per_token, "kv_sequences": pool.sequences(core.config.max_model_len),
+            "kv_groups": kv_groups(core),
             "cache_config": {"block_size": str(pool.block_size), "cache_dtype": core.config.kv_cache_dtype,
                              "num_gpu_blocks": str(pool.num_blocks)},
             "prefix_hit_rate": hits / queries if queries else 0.0, "prefix_queries": queries, "prefix_hits": hits,
@@ -62,6 +65,18 @@ def engine_snapshot(engine) -> dict:
             "steps": core.stats["steps"], "constrained_tokens": core.stats["constrained_tokens"],
             "grammar_seconds": core.stats["grammar_seconds"], "spec": None if core.config.speculative_config is None
             else dataclasses.replace(core.spec, accepted_per_pos=list(core.spec.accepted_per_pos))}
+
+
+def kv_groups(core) -> list[tuple[str, int, int]]:
+    """(kind, the most blocks a max_model_len sequence holds, blocks held now over every dp replica) of each KV cache
+    group (tp_jax/models/cache.py KVGroups; a model with one kind of layer: one group)."""
+    pool, managers = core.pool, core.scheduler.blocks
+    groups = pool.layout.groups
+    windows = (pool.window,) if groups is None else groups.windows
+    most = pool.group_blocks or (pool.sequence_blocks(core.config.max_model_len),)
+    used = [sum(len({b for t in bm.group_tables[g].values() for b in t if b >= 0}) for bm in managers)
+            for g in range(len(windows))]
+    return [("full" if w is None else f"sliding-{w}", n, u) for w, n, u in zip(windows, most, used)]
 
 
 class _EngineCollector:
@@ -90,6 +105,13 @@ class _EngineCollector:
                                  "replica)", labels=list(s["cache_config"]))
         info.add_metric(list(s["cache_config"].values()), 1)
         yield info
+        for suffix, doc, i in (("", "the most blocks one sequence of max_model_len holds", 1),
+                               ("_used", "blocks held by requests now (all dp replicas)", 2)):
+            family = GaugeMetricFamily(f"tp_jax:kv_cache_group_blocks{suffix}", f"Per KV cache group: {doc}",
+                                       labels=["group", "kind"])
+            for g, group in enumerate(s["kv_groups"]):
+                family.add_metric([str(g), group[0]], group[i])
+            yield family
         counters = [("generation_tokens", "Tokens sampled by the engine", "generated_tokens"),
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_queries"),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_hits"),

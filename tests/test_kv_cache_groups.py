@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.flagship_models import _randomize_extras
-from tests.tiny_models import randomize
+from tests.tiny_models import randomize, run_counting_blocks
 from tp_jax.models.cache import KVGroups
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
@@ -75,25 +75,10 @@ def hybrid(tmp_path_factory):
 
 
 def run(llm: LLM):
-    """Each prompt's (tokens, logprobs), the first two together, the third after them (its shared prefix cached);
-    the most blocks one request held at once (over its groups); the third's cached tokens."""
-    core, held = llm.engine.core, [0]
-    step = core.step
-
-    def counting():
-        outs = step()
-        bm = core.scheduler.blocks[0]
-        held[0] = max([held[0]] + [sum(b >= 0 for t in bm.group_tables for b in t[rid]) for rid in bm.tables])
-        return outs
-    core.step = counting
-    try:
-        outs = llm.generate(PROMPTS[:2], PARAMS) + llm.generate(PROMPTS[2:], PARAMS)
-    finally:
-        core.step = step
-    got = [(o.outputs[0].token_ids, [[(t, lp.logprob) for t, lp in sorted(d.items())] for d in o.outputs[0].logprobs])
-           for o in outs]
-    assert core.kv_usage()[0] == 0                                 # every block free at the end
-    return got, held[0], outs[2].num_cached_tokens
+    """`run_counting_blocks` over PROMPTS; every block free at the end."""
+    out = run_counting_blocks(llm, PROMPTS, PARAMS)
+    assert llm.engine.core.kv_usage()[0] == 0                      # every block free at the end
+    return out
 
 
 CASES = [("gemma2", dict(tensor_parallel_size=2, kv_cache_dtype="int8", attention_backend="bf16")),

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.tiny_models import randomize
+from tests.tiny_models import randomize, run_counting_blocks
 from tp_jax.serving import kv_pool
 from tp_jax.serving.llm import LLM
 from tp_jax.serving.sampling import SamplingParams
@@ -51,24 +51,8 @@ def mistral(tmp_path_factory):
 
 
 def run(llm: LLM):
-    """Each prompt's (tokens, logprobs); the first two together, the third after them (its shared prefix cached);
-    the most blocks a request held at once."""
-    core, held = llm.engine.core, [0]
-    step = core.step
-
-    def counting():
-        outs = step()
-        tables = core.scheduler.blocks[0].tables.values()
-        held[0] = max([held[0]] + [sum(b >= 0 for b in t) for t in tables])
-        return outs
-    core.step = counting
-    try:
-        outs = llm.generate(PROMPTS[:2], PARAMS) + llm.generate(PROMPTS[2:], PARAMS)
-    finally:
-        core.step = step
-    got = [(o.outputs[0].token_ids, [[(t, lp.logprob) for t, lp in sorted(d.items())] for d in o.outputs[0].logprobs])
-           for o in outs]
-    return got, held[0], outs[2].num_cached_tokens
+    """`run_counting_blocks` over PROMPTS."""
+    return run_counting_blocks(llm, PROMPTS, PARAMS)
 
 
 @pytest.mark.parametrize("mesh", [dict(), dict(tensor_parallel_size=2),

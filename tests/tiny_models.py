@@ -181,3 +181,25 @@ def check_family(reference, mesh: tuple[int, int, int], tol: float = 2e-4, **kw)
     assert diff <= tol, diff
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(FAMILY_PROMPTS, params)] == greedy
+
+
+def run_counting_blocks(llm, prompts, params):
+    """Each prompt's (tokens, [(token, logprob)] per step), the first two generated together and the third after
+    them (a shared prefix then comes from the cache); the most blocks one request held at once, over its KV cache
+    groups; the third's cached tokens."""
+    core, held = llm.engine.core, [0]
+    step = core.step
+
+    def counting():
+        outs = step()
+        bm = core.scheduler.blocks[0]
+        held[0] = max([held[0]] + [sum(b >= 0 for t in bm.group_tables for b in t[rid]) for rid in bm.tables])
+        return outs
+    core.step = counting
+    try:
+        outs = llm.generate(prompts[:2], params) + llm.generate(prompts[2:], params)
+    finally:
+        core.step = step
+    got = [(o.outputs[0].token_ids, [[(t, lp.logprob) for t, lp in sorted(d.items())] for d in o.outputs[0].logprobs])
+           for o in outs]
+    return got, held[0], outs[2].num_cached_tokens

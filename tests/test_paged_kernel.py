@@ -25,7 +25,20 @@ import jax.numpy as jnp
 
 from tp_jax.models.attention import paged_pallas, paged_reference
 from tp_jax.models.cache import PagedBatch
-from tp_jax.models.paged_kernel import paged_decode, paged_decode_tpu
+from tp_jax.models.paged_kernel import paged_attention
+
+
+def paged_decode(q, k_pool, v_pool, layer, lengths, tables, scale, window=None, softcap=None, sinks=None,
+                 interpret=None, form="triton"):
+    """Decode rows alone: q[D, Hq, hd] (one query per row) over the first lengths[D] positions of each row's table
+    tables[D, W] -> [D, Hq * hv] (`paged_attention` with every row a decode row)."""
+    out = paged_attention(q[:, None], k_pool, v_pool, layer, (lengths - 1)[:, None], tables, scale, window, softcap,
+                          sinks, decode_rows=q.shape[0], form=form, interpret=interpret)
+    return out[:, 0]
+
+
+def paged_decode_tpu(*args, **kw):
+    return paged_decode(*args, form="mosaic", **kw)
 
 KERNELS = {"triton": paged_decode, "mosaic": paged_decode_tpu}
 

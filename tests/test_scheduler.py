@@ -150,7 +150,7 @@ def arrivals(pairs) -> dict[int, list[Request]]:
 
 def config(**kw) -> SchedulerConfig:
     base = dict(max_num_seqs=8, max_num_batched_tokens=32, block_size=4, num_blocks=64, num_replicas=1,
-                enable_prefix_caching=True, sliding_window=None)
+                enable_prefix_caching=True)
     return SchedulerConfig(**{**base, **kw})
 
 

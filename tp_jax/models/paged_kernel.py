@@ -310,20 +310,6 @@ def _bind(kernel, *, v_pool: bool, sinks: bool, lse: bool):
     return call
 
 
-def paged_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, lengths: jax.Array,
-                 tables: jax.Array, scale: float, window=None, softcap: float | None = None,
-                 sinks: jax.Array | None = None, v_dim: int | None = None, interpret: bool | None = None,
-                 form: str = "triton") -> jax.Array:
-    """Decode rows alone: q[D, Hq, hd] (one query per row) over the first lengths[D] positions of each row's table
-    tables[D, W] -> [D, Hq * hv] (`paged_attention` with every row a decode row)."""
-    out = paged_attention(q[:, None], k_pool, v_pool, layer, (lengths - 1)[:, None], tables, scale, window, softcap,
-                          sinks, v_dim, decode_rows=q.shape[0], form=form, interpret=interpret)
-    return out[:, 0]
-
-
-paged_decode_tpu = functools.partial(paged_decode, form="mosaic")
-
-
 def cost(r: int, qb: int, hkv: int, g: int, width: int, bs: int, hd: int, hv: int, q_dtype,
          kv_dtype) -> pl.CostEstimate:
     """What a launch reads and writes at most: every row's whole table of K and V pages once (a row reads only the

@@ -35,11 +35,11 @@ NULL_BLOCK = -1          # a table entry whose block was freed (out of the windo
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None, windows: tuple[int | None, ...] | None = None):
-        """`window`: every layer's sliding window (one group); `windows`: each KV cache group's (None: full)."""
+                 windows: tuple[int | None, ...] = (None,)):
+        """`windows`: each KV cache group's sliding window (None: full attention); one entry: one table per
+        sequence (every layer's window, or none)."""
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.windows = (window,) if windows is None else tuple(windows)
-        self.window = self.windows[0] if len(self.windows) == 1 else None
+        self.windows = tuple(windows)
         self.prefix_caching = enable_prefix_caching
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks

@@ -97,9 +97,9 @@ class EngineCore:
             self.lora_slots = LoRASlots(config.max_loras, config.max_cpu_loras or config.max_loras)
             self.lora_loaded: list[int | None] = [None] * config.max_loras      # the adapter each slot holds
         self.model = model
-        self.scheduler = Scheduler(SchedulerConfig.of(config, self.pool.num_blocks, dp, self.pool.window,
-                                                      self.pool.group_windows), self.lora_slots)
-        self.kv_groups = 1 if self.pool.group_windows is None else len(self.pool.group_windows)
+        self.scheduler = Scheduler(SchedulerConfig.of(config, self.pool.num_blocks, dp, self.pool.windows),
+                                   self.lora_slots)
+        self.kv_groups = len(self.pool.windows)
         replicated = NamedSharding(mesh, jax.P())
         self.penalties = Penalties(config.max_num_seqs * dp, self.vocab_size, lambda x: to_global(x, replicated))
         self.runner = ModelRunner(model, mesh, self.pool, self.microbatches, self.penalties, config.attention_backend,

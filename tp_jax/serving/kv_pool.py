@@ -70,9 +70,9 @@ class PoolShape:
                 self.layout.row_dims[0])
 
     @property
-    def group_windows(self) -> tuple[int | None, ...] | None:
-        """The KV cache groups' windows (None: full attention), or None: one table per sequence."""
-        return None if self.layout.groups is None else self.layout.groups.windows
+    def windows(self) -> tuple[int | None, ...]:
+        """Each KV cache group's window (None: full attention); one entry without groups (the pool's `window`)."""
+        return (self.window,) if self.layout.groups is None else self.layout.groups.windows
 
     @property
     def v_shape(self) -> tuple[int, ...]:

@@ -32,14 +32,14 @@ class SchedulerConfig:
     num_blocks: int                   # per replica: the pool's
     num_replicas: int                 # dp: the mesh's
     enable_prefix_caching: bool
-    sliding_window: int | None        # the pool's (PoolShape.window): blocks older than it are freed
-    kv_group_windows: tuple[int | None, ...] | None = None   # the pool's KV cache groups' windows (None: one group)
+    windows: tuple[int | None, ...] = (None,)   # the pool's (PoolShape.windows): each KV cache group's sliding
+    #                                            window, blocks older than it freed (None: full attention)
 
     @classmethod
-    def of(cls, setup, num_blocks: int, num_replicas: int, sliding_window: int | None = None,
-           kv_group_windows: tuple[int | None, ...] | None = None) -> SchedulerConfig:
+    def of(cls, setup, num_blocks: int, num_replicas: int,
+           windows: tuple[int | None, ...] = (None,)) -> SchedulerConfig:
         return cls(setup.max_num_seqs, setup.max_num_batched_tokens, setup.block_size, num_blocks, num_replicas,
-                   setup.enable_prefix_caching, sliding_window, kv_group_windows)
+                   setup.enable_prefix_caching, windows)
 
 
 @dataclasses.dataclass
@@ -86,8 +86,8 @@ class Scheduler:
         """`lora`: the LoRA slot table (tp_jax/serving/lora.py LoRASlots) when adapters are served: a request
         with an adapter is admitted only once its adapter holds a device slot."""
         self.cfg, self.lora = cfg, lora
-        self.blocks = [BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.sliding_window,
-                                    cfg.kv_group_windows) for _ in range(cfg.num_replicas)]
+        self.blocks = [BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.windows)
+                       for _ in range(cfg.num_replicas)]
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[list[Request]] = [[] for _ in range(cfg.num_replicas)]
         self.num_preemptions = 0
